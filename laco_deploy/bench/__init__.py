@@ -1,0 +1,1 @@
+"""Runtime benchmarks (onnxruntime, llama.cpp) and the regression compare."""

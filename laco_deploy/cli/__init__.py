@@ -1,0 +1,80 @@
+"""The `laco-deploy` command line. The only place that prints or exits.
+
+Each command lives in its own module (one per stage) and registers itself on `app`.
+Library errors (LacoError) become one line on stderr and a non-zero exit; `--debug` shows the
+traceback instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+import typer
+
+from laco_deploy import __version__
+from laco_deploy.cli.common import console, err_console, state
+from laco_deploy.errors import LacoError
+
+app = typer.Typer(
+    name="laco-deploy",
+    help=(
+        "Prune an LLM, repair it with LaCo layer-wise compensation, check its fidelity against the "
+        "dense model, and ship it as GGUF (llama.cpp) or ONNX (onnxruntime).\n\n"
+        "Start with `laco-deploy build --target gguf`: it runs every stage on the embedded default "
+        "model (SmolLM2-135M-Instruct) and builtin Wikipedia text. Each stage is also its own command."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"laco-deploy {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors in the log."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    state.debug = debug
+    level = logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub", "transformers", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if not debug else logging.INFO)
+
+
+# Register the stage commands (each module adds its command to `app`).
+from laco_deploy.cli import stages  # noqa: E402,F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: run the app, map errors to messages and exit codes."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        app(args=args, prog_name="laco-deploy", standalone_mode=False)
+    except LacoError as e:
+        if state.debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
+        sys.exit(130)
+    except Exception as e:  # a bug, not a user error: one line unless --debug
+        if state.debug:
+            raise
+        err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback and please report it)", highlight=False, soft_wrap=True)
+        sys.exit(3)
+    sys.exit(0)

@@ -1,0 +1,53 @@
+"""Options and helpers shared by the commands. Defaults come from laco_deploy.config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from laco_deploy.config import DataConfig, ModelConfig
+from laco_deploy.errors import ConfigError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+@dataclass
+class _State:
+    debug: bool = False
+
+
+state = _State()
+_M, _D = ModelConfig(), DataConfig()
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Dense model: a Hugging Face directory, a .gguf file, a hub id (online only) or 'default' (SmolLM2-135M-Instruct, embedded).")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled *.bin weights (can run code on load; only for sources you trust).")]
+CalibOpt = Annotated[str, typer.Option("--calib", help="Calibration text: builtin, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")]
+EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation text (never used for calibration): builtin, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")]
+SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of calibration samples.")]
+SeqlenOpt = Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample and evaluation window.")]
+EvalSamplesOpt = Annotated[int, typer.Option("--eval-samples", help="Evaluation windows of --seqlen tokens.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling calibration windows and training.")]
+OptFloat = Optional[float]
+
+
+def check(errors: list[str]) -> None:
+    """Raise one ConfigError listing every invalid setting."""
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def model_config(model: str, device: str, allow_pickle: bool) -> ModelConfig:
+    cfg = ModelConfig(model=model, device=device, allow_pickle=allow_pickle)
+    check(cfg.validate())
+    return cfg
+
+
+def data_config(calib: str, eval_: str, samples: int, seqlen: int, eval_samples: int, seed: int) -> DataConfig:
+    cfg = DataConfig(calib=calib, eval=eval_, samples=samples, seqlen=seqlen, eval_samples=eval_samples, seed=seed)
+    check(cfg.validate())
+    return cfg

@@ -1,0 +1,31 @@
+"""`laco-deploy inspect`: load a model (converting and caching `default` or a GGUF once) and describe it."""
+
+from __future__ import annotations
+
+import time
+
+from laco_deploy.cli import app
+from laco_deploy.cli.common import AllowPickleOpt, ModelOpt, console, model_config
+
+
+@app.command("inspect")
+def inspect_model(model: ModelOpt = "default", allow_pickle: AllowPickleOpt = False) -> None:
+    """Load a model and print its architecture, size and where it is cached.
+
+    The first load of `default` or of a .gguf file dequantizes it into the cache
+    ($LACO_DEPLOY_CACHE, default ~/.cache/laco-deploy) so that later runs start in seconds.
+    """
+    from laco_deploy.models import check_architecture, load_model
+
+    cfg = model_config(model, "cpu", allow_pickle)
+    t0 = time.perf_counter()
+    loaded = load_model(cfg.model, allow_pickle=cfg.allow_pickle)
+    elapsed = time.perf_counter() - t0
+    c = loaded.model.config
+    params = sum(p.numel() for p in loaded.model.parameters())
+    console.print(f"model        {loaded.source} ({loaded.kind})")
+    console.print(f"family       {check_architecture(c)}  layers={c.num_hidden_layers} hidden={c.hidden_size} "
+                  f"heads={c.num_attention_heads}/{c.num_key_value_heads} ffn={c.intermediate_size} vocab={c.vocab_size}")
+    console.print(f"parameters   {params / 1e6:.1f} M")
+    console.print(f"weights at   {loaded.path}")
+    console.print(f"loaded in    {elapsed:.1f} s")

@@ -1,0 +1,12 @@
+"""`laco-deploy prune` (being built; see the issue tracker)."""
+
+from __future__ import annotations
+
+from laco_deploy.cli import app
+from laco_deploy.errors import ConfigError
+
+
+@app.command("prune")
+def prune_command() -> None:
+    """Not available yet in this build."""
+    raise ConfigError("'prune' is not available yet in this version")

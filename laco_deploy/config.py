@@ -1,0 +1,208 @@
+"""Settings for every stage, as frozen dataclasses. Defaults live here and nowhere else.
+
+The CLI builds these from flags (and `--config build.yaml`); library code only reads them.
+Each stage module owns the meaning of its fields; `validate()` methods collect every
+problem so that a build reports all invalid settings together before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Where the dense model comes from and where it runs."""
+
+    model: str = "default"  # HF dir | .gguf file | hub id | "default"
+    allow_pickle: bool = False  # refuse pytorch_model.bin unless asked
+    trust_remote_code: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+    def validate(self) -> list[str]:
+        dev = self.device
+        if dev not in ("auto", "cpu") and not (dev == "cuda" or dev.startswith("cuda:")):
+            return [f"--device {dev!r} is not one of auto, cpu, cuda, cuda:N"]
+        return []
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Calibration and evaluation text and how it becomes token samples."""
+
+    calib: str = "builtin"  # builtin | file.txt | file.jsonl | hf:NAME[:CONFIG][:SPLIT]
+    eval: str = "builtin"
+    samples: int = 64  # calibration samples (the paper uses 2048 on a GPU)
+    seqlen: int = 256  # tokens per sample
+    eval_samples: int = 32  # evaluation windows of `seqlen` tokens
+    seed: int = 0
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.samples < 1:
+            errs.append(f"--samples {self.samples} must be at least 1")
+        if self.seqlen < 8:
+            errs.append(f"--seqlen {self.seqlen} must be at least 8 tokens")
+        if self.eval_samples < 1:
+            errs.append(f"--eval-samples {self.eval_samples} must be at least 1")
+        return errs
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    method: str = "wanda"  # magnitude | wanda | sparsegpt
+    sparsity: float = 0.5  # unstructured ratio per output row
+    pattern: str | None = None  # "N:M", e.g. "2:4"; overrides sparsity
+    structured: float | None = None  # ratio of FFN channels / head groups removed physically
+    targets: tuple[str, ...] = PRUNABLE_LINEARS
+    sparsegpt_damp: float = 0.01  # fraction of mean Hessian diagonal added for stability
+    sparsegpt_blocksize: int = 128
+    owl: bool = False  # outlier-weighted non-uniform per-layer ratios
+    owl_lambda: float = 0.08  # max deviation of a layer's ratio from the mean
+    owl_m: float = 5.0  # outlier threshold, multiples of the mean score
+    offload: str = "cpu"  # where activations live: cpu | disk
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.method not in ("magnitude", "wanda", "sparsegpt"):
+            errs.append(f"--method {self.method!r} is not one of magnitude, wanda, sparsegpt")
+        if not 0.0 <= self.sparsity < 1.0:
+            errs.append(f"--sparsity {self.sparsity} must be in [0, 1)")
+        if self.pattern is not None:
+            try:
+                n, m = (int(x) for x in self.pattern.split(":"))
+            except ValueError:
+                errs.append(f"--pattern {self.pattern!r} must look like N:M, e.g. 2:4")
+            else:
+                if not 0 < n < m:
+                    errs.append(f"--pattern {self.pattern}: need 0 < N < M (e.g. 2:4)")
+        if self.structured is not None and not 0.0 < self.structured < 1.0:
+            errs.append(f"--structured {self.structured} must be in (0, 1): it is the share of channels removed")
+        if self.structured is not None and self.pattern is not None:
+            errs.append("--structured and --pattern cannot be combined: pick one sparsity pattern")
+        if self.offload not in ("cpu", "disk"):
+            errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
+        bad = [t for t in self.targets if t not in PRUNABLE_LINEARS]
+        if bad:
+            errs.append(f"--targets {','.join(bad)} unknown; choose from {','.join(PRUNABLE_LINEARS)}")
+        return errs
+
+
+@dataclass(frozen=True)
+class CompensateConfig:
+    method: str = "laco"  # laco | lora | none
+    epochs: int = 4
+    lr: float = 1e-3
+    batch_size: int = 4
+    grad_accum: int = 1
+    loss: str = "nmse"  # mse | nmse | cos_mse | subblock
+    train_norms: bool = False
+    val_fraction: float = 0.125  # held-out share of calibration samples for early stopping
+    patience: int = 2  # epochs without validation improvement before stopping
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_lr: float = 2e-4
+    offload: str = "cpu"
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.method not in ("laco", "lora", "none"):
+            errs.append(f"--recover {self.method!r} is not one of laco, lora, none")
+        if self.loss not in ("mse", "nmse", "cos_mse", "subblock"):
+            errs.append(f"--loss {self.loss!r} is not one of mse, nmse, cos_mse, subblock")
+        if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            errs.append("--epochs, --batch-size and --grad-accum must be at least 1")
+        if not self.lr > 0:
+            errs.append(f"--lr {self.lr} must be positive")
+        if not 0.0 <= self.val_fraction < 1.0:
+            errs.append(f"--val-fraction {self.val_fraction} must be in [0, 1)")
+        return errs
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    max_kl: float | None = None  # gate: mean KL(dense || candidate) in nats
+    min_top1: float | None = None  # gate: top-1 agreement in [0, 1]
+    max_ppl_ratio: float | None = None  # gate: candidate / dense perplexity
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
+            errs.append(f"--min-top1 {self.min_top1} must be in [0, 1]")
+        if self.max_kl is not None and self.max_kl < 0:
+            errs.append(f"--max-kl {self.max_kl} must be non-negative")
+        if self.max_ppl_ratio is not None and self.max_ppl_ratio < 1.0:
+            errs.append(f"--max-ppl-ratio {self.max_ppl_ratio} must be at least 1")
+        return errs
+
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
+ONNX_TYPES = ("fp32", "fp16", "int8")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    target: str = "gguf"  # gguf | onnx
+    quant: str | None = None  # None: q8_0 for GGUF, fp32 for ONNX
+    sparse_storage: bool = False  # ONNX: store sparse weights compactly
+
+    @property
+    def resolved_quant(self) -> str:
+        if self.quant is not None:
+            return self.quant.lower()
+        return "q8_0" if self.target == "gguf" else "fp32"
+
+    def validate(self) -> list[str]:
+        if self.target not in ("gguf", "onnx"):
+            return [f"--target {self.target!r} is not one of gguf, onnx"]
+        allowed = GGUF_TYPES if self.target == "gguf" else ONNX_TYPES
+        if self.resolved_quant not in allowed:
+            return [f"--quant {self.quant!r} is not valid for {self.target}; choose from {', '.join(allowed)}"]
+        return []
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    repetitions: int = 3
+    threads: int | None = None  # None: all physical cores
+    n_prompt: int = 512  # prompt-processing tokens
+    n_gen: int = 128  # generated tokens
+    ppl_ctx: int = 512  # perplexity window (llama-perplexity protocol scores the 2nd half)
+    ppl_windows: int = 8  # windows of evaluation text scored
+
+    def validate(self) -> list[str]:
+        if self.repetitions < 1 or self.n_prompt < 1 or self.n_gen < 1 or self.ppl_ctx < 16:
+            return ["--repetitions, --n-prompt and --n-gen must be at least 1 and --ppl-ctx at least 16"]
+        return []
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything `laco-deploy build` needs; each section is one stage's settings."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    compensate: CompensateConfig = field(default_factory=CompensateConfig)
+    fidelity: FidelityConfig = field(default_factory=FidelityConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    out: str = "laco-build"
+    resume: bool = False
+
+    def validate(self) -> list[str]:
+        errs: list[str] = []
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if hasattr(section, "validate"):
+                errs.extend(section.validate())
+        return errs
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """JSON-ready dict of a config (tuples become lists)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,134 @@
+"""Calibration and evaluation text -> fixed-length token samples, deterministically from a seed.
+
+Sources: `builtin` (Wikipedia text shipped in the package, calibration and evaluation disjoint),
+a local `.txt` (documents separated by blank lines) or `.jsonl` (a "text" field per line), and
+`hf:NAME[:CONFIG][:SPLIT]` through `datasets` when online.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from laco_deploy.errors import DataError
+
+log = logging.getLogger(__name__)
+
+BUILTIN = "builtin"
+_BUILTIN_FILES = {"calib": "calibration.txt", "eval": "evaluation.txt"}
+
+
+def builtin_path(role: str) -> Path:
+    return Path(str(resources.files("laco_deploy").joinpath("data", "builtin", _BUILTIN_FILES[role])))
+
+
+def load_texts(spec: str, role: str = "calib") -> list[str]:
+    """Documents from a source spec. `role` picks the builtin split ("calib" or "eval")."""
+    if spec == BUILTIN:
+        return _read_txt(builtin_path(role))
+    if spec.startswith("hf:"):
+        return _read_hf(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise DataError(f"data file {spec} not found; pass an existing .txt or .jsonl file, 'builtin', or hf:NAME[:CONFIG][:SPLIT]")
+    if path.is_dir():
+        raise DataError(f"{spec} is a directory; pass a .txt or .jsonl file")
+    if path.suffix.lower() == ".jsonl":
+        docs = _read_jsonl(path)
+    else:
+        docs = _read_txt(path)
+    if not docs:
+        raise DataError(f"{spec} holds no text; give it at least one non-empty document")
+    return docs
+
+
+def _read_txt(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from e
+    return [d.strip() for d in text.split("\n\n") if d.strip()]
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n} is not valid JSON ({e.msg}); each line must be an object with a \"text\" field") from e
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise DataError(f"{path}:{n} has no string \"text\" field; each line must look like {{\"text\": \"...\"}}")
+            if obj["text"].strip():
+                docs.append(obj["text"].strip())
+    return docs
+
+
+def _read_hf(spec: str) -> list[str]:
+    parts = spec[3:].split(":")
+    if not parts[0]:
+        raise DataError(f"{spec!r}: expected hf:NAME[:CONFIG][:SPLIT], e.g. hf:wikitext:wikitext-2-raw-v1:test")
+    name, config, split = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None), (parts[2] if len(parts) > 2 else "train")
+    hint = f"cannot load dataset {name!r} from the Hugging Face Hub (offline?); save the text to a .txt or .jsonl file and pass its path"
+    if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise DataError(hint)
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # connection and not-found errors come in many types
+        raise DataError(hint) from e
+    column = "text" if "text" in ds.column_names else ds.column_names[0]
+    return [t for t in ds[column] if isinstance(t, str) and t.strip()]
+
+
+def _token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
+    """All documents tokenized and joined with the EOS token, as one 1-D stream."""
+    sep = tokenizer.eos_token_id
+    ids: list[int] = []
+    for doc in docs:
+        ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
+        if sep is not None:
+            ids.append(sep)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def calibration_samples(tokenizer, spec: str, samples: int, seqlen: int, seed: int) -> torch.Tensor:
+    """`samples` random windows of `seqlen` tokens. [samples, seqlen] int64; same seed, same windows."""
+    stream = _token_stream(tokenizer, load_texts(spec, "calib"))
+    if stream.numel() < seqlen:
+        raise DataError(f"calibration text {spec} has {stream.numel()} tokens, fewer than one sample of --seqlen {seqlen}; add text or lower --seqlen")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, stream.numel() - seqlen + 1, (samples,), generator=gen)
+    return torch.stack([stream[s : s + seqlen] for s in starts.tolist()])
+
+
+def evaluation_windows(tokenizer, spec: str, windows: int, seqlen: int) -> torch.Tensor:
+    """The first `windows` non-overlapping windows of the evaluation text. [n, seqlen] int64.
+
+    Contiguous and seed-free so every model and runtime is scored on exactly the same tokens.
+    Returns fewer windows when the text is shorter (at least one).
+    """
+    stream = _token_stream(tokenizer, load_texts(spec, "eval"))
+    n = min(windows, stream.numel() // seqlen)
+    if n < 1:
+        raise DataError(f"evaluation text {spec} has {stream.numel()} tokens, fewer than one window of {seqlen}; add text or lower --seqlen")
+    if n < windows:
+        log.warning("evaluation text holds only %d windows of %d tokens (asked for %d)", n, seqlen, windows)
+    return stream[: n * seqlen].view(n, seqlen)
+
+
+def evaluation_stream(tokenizer, spec: str, max_tokens: int | None = None) -> torch.Tensor:
+    """The evaluation text as one token stream (runtimes with their own windowing use this)."""
+    stream = _token_stream(tokenizer, load_texts(spec, "eval"))
+    if stream.numel() == 0:
+        raise DataError(f"evaluation text {spec} is empty")
+    return stream if max_tokens is None else stream[:max_tokens]

