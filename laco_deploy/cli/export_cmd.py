@@ -1,12 +1,47 @@
-"""`laco-deploy export` (being built; see the issue tracker)."""
+"""`laco-deploy export`: write a Hugging Face model directory as GGUF (llama.cpp) or ONNX (onnxruntime)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
 from laco_deploy.cli import app
-from laco_deploy.errors import ConfigError
+from laco_deploy.cli.common import check, console
+from laco_deploy.config import GGUF_TYPES, ONNX_TYPES, ExportConfig
 
 
 @app.command("export")
-def export_command() -> None:
-    """Not available yet in this build."""
-    raise ConfigError("'export' is not available yet in this version")
+def export_command(
+    model: Annotated[str, typer.Option("--model", "-m", help="Model to export: a Hugging Face directory (e.g. a pruned or compensated one) or 'default'.")] = "default",
+    target: Annotated[str, typer.Option("--target", "-t", help="gguf (llama.cpp) or onnx (onnxruntime).")] = ExportConfig.target,
+    quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. GGUF: {', '.join(GGUF_TYPES)} (default q8_0); ONNX: {', '.join(ONNX_TYPES)} (default fp32).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: next to the model, named after it and the type.")] = None,
+    sparse_storage: Annotated[bool, typer.Option("--sparse-storage", help="ONNX: store sparse weights compactly (loading densifies them; no speed-up).")] = ExportConfig.sparse_storage,
+) -> None:
+    """Export a model for an edge runtime, then check it against PyTorch.
+
+    GGUF goes through the `gguf` package's writer (k-quants through llama.cpp's own quantizer);
+    ONNX is a decoder with KV cache whose input/output names match optimum's ORTModelForCausalLM.
+    """
+    cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage)
+    check(cfg.validate())
+    from laco_deploy.models import ensure_default_converted
+
+    model_dir = ensure_default_converted() if model == "default" else Path(model)
+    if cfg.target == "gguf":
+        from exporters.gguf import export as export_gguf
+
+        dest = out or Path(f"{model_dir.name}.{cfg.resolved_quant}.gguf")
+        result = export_gguf(model_dir, dest, cfg.resolved_quant)
+    else:
+        from exporters.onnx import export as export_onnx
+
+        dest = out or Path(f"{model_dir.name}-onnx-{cfg.resolved_quant}")
+        result = export_onnx(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage)
+    console.print(f"wrote {result.path} ({result.size_bytes / 2**20:.1f} MiB, {result.target} {result.quant})")
+    for key, value in result.checks.items():
+        console.print(f"  {key}: {value}")
+    for note in result.notes:
+        console.print(f"  note: {note}")

@@ -1,0 +1,53 @@
+"""Typed, JSON-serialisable records passed between stages and written into manifests.
+
+Each stage's `run(...)` returns one of these (or a subclass defined next to the stage);
+`pipeline.py` stores `to_dict()` of each in `manifest.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Artifact:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelDirResult(Artifact):
+    """A Hugging Face directory written by prune or compensate, with how it was made."""
+
+    model_dir: str
+    stage: str  # "prune" | "compensate"
+    sparsity: float  # realised share of zeros over the pruned matrices (structured: removed share)
+    pattern: str  # "unstructured 50%", "2:4", "structured 30%"
+    settings: dict[str, Any] = field(default_factory=dict)
+    per_layer: list[dict[str, Any]] = field(default_factory=list)  # per-layer records (time, memory, errors)
+    wall_s: float = 0.0
+    peak_mib: float = 0.0
+    memory_kind: str = "rss"  # "rss" (CPU peak resident set) | "cuda_max_allocated"
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ExportResult(Artifact):
+    target: str  # "gguf" | "onnx"
+    quant: str  # e.g. "q8_0", "fp32"
+    path: str  # the .gguf file, or the ONNX folder holding model.onnx
+    size_bytes: int
+    checks: dict[str, Any] = field(default_factory=dict)  # parity numbers measured right after export
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BenchResult(Artifact):
+    runtime: str  # "llama.cpp" | "onnxruntime"
+    environment: dict[str, Any]  # threads, provider, versions, cpu
+    protocol: dict[str, Any]  # how perplexity and speed were measured, in words and numbers
+    models: dict[str, dict[str, Any]]  # label -> metrics (ppl, pp_tps, tg_tps, ttft_s, load_s, size, rss)
+    notes: list[str] = field(default_factory=list)
