@@ -1,9 +1,14 @@
 """Per-layer widths of structured-pruned models (smaller FFN / fewer heads in some layers).
 
 transformers' Llama assumes one width for all layers, so a structured-pruned directory records
-its widths in config.json under `laco_layer_widths` and is rebuilt here: build the model at full
-size, shrink each layer's linears to the recorded shapes, then load the safetensors.
-Owned by the pruning stage (issue 3); the loader calls these two functions.
+its widths in config.json under `laco_layer_widths`, one entry per decoder layer:
+
+    {"intermediate_size": 768, "num_attention_heads": 6, "num_key_value_heads": 2}
+
+Heads are removed in whole KV groups (a KV head with the query heads that share it), so the
+GQA ratio, head_dim and RoPE are unchanged and attention infers its head count from the
+projection shapes. Loading builds the model at full size, shrinks each layer's linears to the
+recorded shapes, then loads the safetensors.
 """
 
 from __future__ import annotations
@@ -11,10 +16,75 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
+WIDTHS_KEY = "laco_layer_widths"
+
 
 def has_layer_widths(config: Any) -> bool:
-    return bool(getattr(config, "laco_layer_widths", None))
+    return bool(getattr(config, WIDTHS_KEY, None))
+
+
+def layer_widths(config: Any) -> list[dict[str, int]]:
+    """Widths per layer; a plain config gives its uniform widths."""
+    widths = getattr(config, WIDTHS_KEY, None)
+    if widths:
+        return [dict(w) for w in widths]
+    return [
+        {
+            "intermediate_size": config.intermediate_size,
+            "num_attention_heads": config.num_attention_heads,
+            "num_key_value_heads": config.num_key_value_heads,
+        }
+        for _ in range(config.num_hidden_layers)
+    ]
+
+
+def _resize_linear(linear: torch.nn.Linear, out_features: int, in_features: int) -> torch.nn.Linear:
+    new = torch.nn.Linear(in_features, out_features, bias=linear.bias is not None, dtype=linear.weight.dtype,
+                          device=linear.weight.device)
+    return new
+
+
+def shrink_layer(layer: torch.nn.Module, width: dict[str, int], head_dim: int) -> None:
+    """Replace a decoder layer's linears with empty ones of the recorded widths (weights loaded later)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = attn.q_proj.in_features
+    q_out = width["num_attention_heads"] * head_dim
+    kv_out = width["num_key_value_heads"] * head_dim
+    attn.q_proj = _resize_linear(attn.q_proj, q_out, hidden)
+    attn.k_proj = _resize_linear(attn.k_proj, kv_out, hidden)
+    attn.v_proj = _resize_linear(attn.v_proj, kv_out, hidden)
+    attn.o_proj = _resize_linear(attn.o_proj, hidden, q_out)
+    if hasattr(attn, "num_key_value_groups") and width["num_key_value_heads"]:
+        attn.num_key_value_groups = width["num_attention_heads"] // width["num_key_value_heads"]
+    ffn = width["intermediate_size"]
+    mlp.gate_proj = _resize_linear(mlp.gate_proj, ffn, hidden)
+    mlp.up_proj = _resize_linear(mlp.up_proj, ffn, hidden)
+    mlp.down_proj = _resize_linear(mlp.down_proj, hidden, ffn)
 
 
 def load_structured(path: Path, config: Any):
-    raise NotImplementedError("structured-pruned model loading is implemented by the pruning stage")
+    """Build the model from `config`, shrink layers to `laco_layer_widths`, load safetensors from `path`."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from laco_deploy.errors import ModelError
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = layer_widths(config)
+    if len(widths) != config.num_hidden_layers:
+        raise ModelError(f"{path}/config.json: {WIDTHS_KEY} has {len(widths)} entries for {config.num_hidden_layers} layers; re-run the pruning")
+    for layer, width in zip(model.model.layers, widths):
+        shrink_layer(layer, width, head_dim)
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelError(f"{path}: weights do not match laco_layer_widths (missing {missing[:3]}, unexpected {unexpected[:3]}); re-run the pruning")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model

@@ -1,17 +1,71 @@
-"""`laco-deploy bench` (being built; see the issue tracker)."""
+"""`laco-deploy bench run` (runtime benchmarks) and `laco-deploy bench compare` (CI regression gate)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
 from laco_deploy.cli import app
+from laco_deploy.cli.common import EvalOpt, check, console
+from laco_deploy.config import BenchConfig, DataConfig
 from laco_deploy.errors import ConfigError
 
-bench_app = typer.Typer(help="Benchmark an exported model on its runtime, or compare two benchmark results.")
+bench_app = typer.Typer(
+    help="Benchmark exported models on their runtime (`bench run`), or compare two benchmark results (`bench compare`).",
+    no_args_is_help=True,
+)
 app.add_typer(bench_app, name="bench")
+RUNTIMES = ("llama.cpp", "onnxruntime")
+_B = BenchConfig()
+
+
+def parse_models(specs: list[str]) -> dict[str, Path]:
+    """`LABEL=PATH` or `PATH` (label = file name) -> {label: path}, in order."""
+    models: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            label, path = Path(spec).name, spec
+        if not Path(path).exists():
+            raise ConfigError(f"model {path} not found; pass exported files as LABEL=PATH (e.g. dense=out/dense.gguf)")
+        models[label] = Path(path)
+    if not models:
+        raise ConfigError("no model given; pass one or more LABEL=PATH arguments")
+    return models
 
 
 @bench_app.command("run")
-def bench_run() -> None:
-    """Not available yet in this build."""
-    raise ConfigError("'bench' is not available yet in this version")
+def bench_run(
+    models: Annotated[list[str], typer.Argument(help="Exported models as LABEL=PATH (.gguf files for llama.cpp; ONNX folders or .onnx files for onnxruntime). The first is the reference for speed ratios.")],
+    runtime: Annotated[str, typer.Option("--runtime", "-r", help="llama.cpp or onnxruntime.")] = "llama.cpp",
+    eval_: EvalOpt = DataConfig.eval,
+    repetitions: Annotated[int, typer.Option("--repetitions", help="Timed repetitions per measurement (median and spread reported).")] = _B.repetitions,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all physical cores).")] = _B.threads,
+    n_prompt: Annotated[int, typer.Option("--n-prompt", help="Prompt tokens for the prompt-processing speed.")] = _B.n_prompt,
+    n_gen: Annotated[int, typer.Option("--n-gen", help="Generated tokens for the generation speed.")] = _B.n_gen,
+    ppl_ctx: Annotated[int, typer.Option("--ppl-ctx", help="Perplexity window; the second half of each window is scored (llama-perplexity protocol).")] = _B.ppl_ctx,
+    ppl_windows: Annotated[int, typer.Option("--ppl-windows", help="Windows of evaluation text scored for perplexity.")] = _B.ppl_windows,
+    device: Annotated[str, typer.Option("--device", help="onnxruntime: cpu or cuda (CUDA provider, needs the gpu extra).")] = "cpu",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result as JSON here.")] = None,
+) -> None:
+    """Measure perplexity, prompt and generation speed, time to first token, load time, size and peak RSS."""
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
+    cfg = BenchConfig(repetitions=repetitions, threads=threads, n_prompt=n_prompt, n_gen=n_gen, ppl_ctx=ppl_ctx, ppl_windows=ppl_windows)
+    check(cfg.validate())
+    paths = parse_models(models)
+    if runtime == "llama.cpp":
+        from laco_deploy.bench.llamacpp import run_benchmark
+    else:
+        from laco_deploy.bench.onnxrt import run_benchmark
+    result = run_benchmark(paths, eval_spec=eval_, cfg=cfg, device=device)
+    from laco_deploy.bench.report import bench_table
+
+    console.print(bench_table(result))
+    if out is not None:
+        from laco_deploy.fsutil import write_json
+
+        write_json(out, result.to_dict())
+        console.print(f"wrote {out}")
