@@ -10,8 +10,12 @@ from __future__ import annotations
 import logging
 import sys
 
-import click
 import typer
+
+try:  # recent typer vendors click; older ones use the click package
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover
+    from click import exceptions as click_exceptions
 
 from laco_deploy import __version__
 from laco_deploy.cli.common import console, err_console, state
@@ -27,6 +31,7 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -64,12 +69,12 @@ def main(argv: list[str] | None = None) -> None:
             raise
         err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
+    except click_exceptions.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt):
         err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
         sys.exit(130)
     except Exception as e:  # a bug, not a user error: one line unless --debug
