@@ -256,3 +256,29 @@ def save_model(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | No
 
 def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def local_model_dir(spec: str, *, allow_pickle: bool = False) -> Path:
+    """A local HF directory for any model source (converting/downloading once), for exporters."""
+    if spec == DEFAULT_MODEL:
+        return ensure_default_converted()
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return local
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        return ensure_gguf_converted(local)
+    loaded = load_model(spec, allow_pickle=allow_pickle)
+    assert loaded.path is not None
+    return loaded.path
+
+
+def source_fingerprint(spec: str) -> str:
+    """Content hash of a model source, for manifests and stage reuse (hub ids hash their snapshot)."""
+    from laco_deploy.fsutil import sha256_tree
+
+    if spec == DEFAULT_MODEL:
+        return sha256_tree(default_gguf_path())
+    local = Path(spec).expanduser()
+    if local.exists():
+        return sha256_tree(local)
+    return sha256_tree(local_model_dir(spec))

@@ -1,12 +1,71 @@
-"""`laco-deploy build` (being built; see the issue tracker)."""
+"""`laco-deploy build`: the whole chain in one command."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
 from laco_deploy.cli import app
-from laco_deploy.errors import ConfigError
+from laco_deploy.cli.common import console
+from laco_deploy.config import BuildConfig
+from laco_deploy.errors import GateFailed
+
+_B = BuildConfig()
+Opt = typer.Option
 
 
 @app.command("build")
-def build_command() -> None:
-    """Not available yet in this build."""
-    raise ConfigError("'build' is not available yet in this version")
+def build_command(
+    target: Annotated[Optional[str], Opt("--target", "-t", help=f"gguf (llama.cpp) or onnx (onnxruntime). (default: {_B.export.target})", show_default=False)] = None,
+    model: Annotated[Optional[str], Opt("--model", "-m", help="Dense model: HF directory, .gguf file, hub id (online) or 'default' (SmolLM2-135M-Instruct). (default: default)", show_default=False)] = None,
+    method: Annotated[Optional[str], Opt("--method", help=f"Pruning method: magnitude, wanda, sparsegpt. (default: {_B.prune.method})", show_default=False)] = None,
+    sparsity: Annotated[Optional[float], Opt("--sparsity", help=f"Unstructured sparsity per row, in [0, 1). (default: {_B.prune.sparsity})", show_default=False)] = None,
+    pattern: Annotated[Optional[str], Opt("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (replaces --sparsity).", show_default=False)] = None,
+    structured: Annotated[Optional[float], Opt("--structured", help="Share of FFN channels and head groups removed physically, e.g. 0.3 (smaller, faster model).", show_default=False)] = None,
+    recover: Annotated[Optional[str], Opt("--recover", help=f"Recovery after pruning: laco, lora or none. (default: {_B.compensate.method})", show_default=False)] = None,
+    calib: Annotated[Optional[str], Opt("--calib", help="Calibration text: builtin, .txt/.jsonl file, hf:NAME[:CONFIG][:SPLIT]. (default: builtin)", show_default=False)] = None,
+    eval_: Annotated[Optional[str], Opt("--eval", help="Evaluation text, never used for calibration. (default: builtin)", show_default=False)] = None,
+    samples: Annotated[Optional[int], Opt("--samples", help=f"Calibration samples. (default: {_B.data.samples})", show_default=False)] = None,
+    seqlen: Annotated[Optional[int], Opt("--seqlen", help=f"Tokens per sample / evaluation window. (default: {_B.data.seqlen})", show_default=False)] = None,
+    eval_samples: Annotated[Optional[int], Opt("--eval-samples", help=f"Evaluation windows. (default: {_B.data.eval_samples})", show_default=False)] = None,
+    seed: Annotated[Optional[int], Opt("--seed", help=f"Seed for sampling and training. (default: {_B.data.seed})", show_default=False)] = None,
+    quant: Annotated[Optional[str], Opt("--quant", help="Export type. GGUF: f32 f16 bf16 q8_0 q4_k_m q5_k_m q6_k (default: q8_0); ONNX: fp32 fp16 int8 (default: fp32).", show_default=False)] = None,
+    device: Annotated[Optional[str], Opt("--device", help="auto (CUDA when present), cpu, cuda, cuda:N. (default: auto)", show_default=False)] = None,
+    out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
+    config: Annotated[Optional[Path], Opt("--config", "-c", help="YAML file with any of these settings by section (model, data, prune, compensate, fidelity, export, bench); flags override it.", show_default=False)] = None,
+    resume: Annotated[bool, Opt("--resume", help="Continue a killed build from its checkpoints (mid-pruning or mid-compensation).")] = False,
+    max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
+    min_top1: Annotated[Optional[float], Opt("--min-top1", help="Gate: fail if top-1 agreement with the dense model is below this.", show_default=False)] = None,
+    max_ppl_ratio: Annotated[Optional[float], Opt("--max-ppl-ratio", help="Gate: fail if perplexity / dense perplexity exceeds this.", show_default=False)] = None,
+) -> None:
+    """Prune, recover (LaCo), export, check fidelity and benchmark, into one build folder.
+
+    With no options: the embedded SmolLM2-135M-Instruct, builtin Wikipedia text, Wanda 50%, LaCo with a small CPU budget (the paper's 2,048 samples on a GPU), fidelity reports, GGUF Q8_0 (or ONNX fp32) export and a runtime benchmark.
+
+    Unchanged stages are reused on a rerun; --resume continues a killed one. Exits 1 when a gate fails (the reports are still written).
+    """
+    from laco_deploy.buildconfig import merge, read_config_file
+    from laco_deploy.pipeline import build
+    from laco_deploy.summary import summary_lines
+
+    overrides = {
+        "export.target": target, "model.model": model, "prune.method": method, "prune.sparsity": sparsity,
+        "prune.pattern": pattern, "prune.structured": structured, "compensate.method": recover,
+        "data.calib": calib, "data.eval": eval_, "data.samples": samples, "data.seqlen": seqlen,
+        "data.eval_samples": eval_samples, "data.seed": seed, "export.quant": quant, "model.device": device,
+        "out": str(out) if out else None, "resume": resume or None, "fidelity.max_kl": max_kl,
+        "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
+    }
+    cfg = merge(read_config_file(config) if config else {}, overrides)
+    console.print(f"building into {cfg.out} (target {cfg.export.target} {cfg.export.resolved_quant}, "
+                  f"{cfg.prune.method} {cfg.prune.pattern or cfg.prune.structured or cfg.prune.sparsity}, recover {cfg.compensate.method})")
+    status_words = {"running": "[cyan]running[/]", "reused": "[green]reused (inputs and settings unchanged)[/]", "done": "[green]done[/]"}
+    manifest = build(cfg, on_stage=lambda s, st: console.print(f"stage {s:<10} {status_words.get(st, st)}"))
+    console.print()
+    for line in summary_lines(manifest["summary"], cfg.out):
+        console.print(line, highlight=False)
+    if not manifest["summary"].get("gates_passed", True):
+        failed = [g for g in manifest["summary"].get("gates", []) if not g.get("passed")]
+        raise GateFailed("gate failed: " + "; ".join(f"{g['name']} {g.get('value')} vs limit {g.get('threshold')}" for g in failed))

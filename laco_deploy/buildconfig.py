@@ -1,0 +1,97 @@
+"""Build settings from a YAML file plus command-line overrides, validated all at once.
+
+The file mirrors BuildConfig's sections:
+
+    model: {model: default, device: auto}
+    data: {samples: 64, seqlen: 256}
+    prune: {method: wanda, sparsity: 0.5}
+    compensate: {method: laco}
+    export: {target: gguf, quant: q8_0}
+    out: laco-build
+
+Flags override the file; unknown keys are errors (a typo must not silently keep a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from laco_deploy.config import BuildConfig
+from laco_deploy.errors import ConfigError
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.type for f in dataclasses.fields(BuildConfig)}
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"--config {path} not found; pass an existing YAML file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path} must hold a mapping of sections (model:, data:, prune:, ...)")
+    return data
+
+
+def merge(file_values: dict[str, Any], overrides: dict[str, Any]) -> BuildConfig:
+    """BuildConfig from file values, then `overrides` ("section.field" or top-level name -> value; None = unset).
+
+    Raises ConfigError listing every unknown key and every invalid value together.
+    """
+    base = BuildConfig()
+    sections: dict[str, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    errors: list[str] = []
+    for key, value in file_values.items():
+        current = getattr(base, key, None)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                errors.append(f"config section {key!r} must be a mapping")
+                continue
+            sections.setdefault(key, {}).update(value)
+        elif key in ("out", "resume"):
+            top[key] = value
+        else:
+            errors.append(f"unknown config key {key!r}")
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        section, _, name = dotted.rpartition(".")
+        if section:
+            sections.setdefault(section, {})[name] = value
+        else:
+            top[name] = value
+    built: dict[str, Any] = {}
+    for name, values in sections.items():
+        cls = type(getattr(base, name))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        errors.extend(f"unknown key {name}.{k} (known: {', '.join(sorted(known))})" for k in unknown)
+        clean = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in known}
+        built[name] = dataclasses.replace(getattr(base, name), **clean)
+    if errors:
+        raise ConfigError("; ".join(errors))
+    cfg = dataclasses.replace(base, **built, **top)
+    problems = cfg.validate() + _cross_checks(cfg)
+    if problems:
+        raise ConfigError("invalid settings: " + "; ".join(problems))
+    return cfg
+
+
+def _cross_checks(cfg: BuildConfig) -> list[str]:
+    """Combinations that are invalid although each value alone is fine."""
+    errs = []
+    if cfg.compensate.method == "lora" and cfg.prune.structured is not None:
+        errs.append("--recover lora with --structured: LoRA merges need the original shapes; use --recover laco")
+    if cfg.export.sparse_storage and cfg.export.target != "onnx":
+        errs.append("--sparse-storage only applies to --target onnx")
+    if cfg.export.sparse_storage and cfg.prune.structured is not None:
+        errs.append("--sparse-storage has nothing to compress for --structured models (they are dense and smaller)")
+    return errs

@@ -1,0 +1,67 @@
+"""The end-of-build summary: key numbers pulled from the manifest's stage records."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _median(v: Any) -> Any:
+    return v.get("median") if isinstance(v, dict) else v
+
+
+def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A flat, JSON-ready digest: what was built, where, and the key metrics."""
+    stages = manifest.get("stages", {})
+    res = lambda name: (stages.get(name) or {}).get("result") or {}  # noqa: E731
+    prune, comp, export, fid, bench = (res(s) for s in ("prune", "compensate", "export", "fidelity", "bench"))
+    out: dict[str, Any] = {
+        "sparsity": (comp or prune).get("sparsity"),
+        "pattern": prune.get("pattern"),
+        "recovered_with": manifest.get("config", {}).get("compensate", {}).get("method"),
+        "exported": (export.get("model") or {}).get("path"),
+        "export_size_mib": round((export.get("model") or {}).get("size_bytes", 0) / 2**20, 1),
+        "stage_wall_s": {k: v.get("wall_s") for k, v in stages.items()},
+        "stage_reused": [k for k, v in stages.items() if v.get("reused")],
+    }
+    cands = fid.get("candidates", {})
+    if fid:
+        out["ppl_pytorch"] = {"dense": fid.get("dense", {}).get("ppl")}
+        for label, m in cands.items():
+            out["ppl_pytorch"][label] = m.get("ppl")
+        out["kl_mean"] = {label: m.get("kl", {}).get("mean") for label, m in cands.items()}
+        out["top1"] = {label: m.get("top1") for label, m in cands.items()}
+        out["gates"] = fid.get("gates", [])
+        out["gates_passed"] = fid.get("passed", True)
+    if bench:
+        models = bench.get("models", {})
+        out["runtime"] = bench.get("runtime")
+        out["ppl_runtime"] = {label: _median(m.get("ppl")) for label, m in models.items()}
+        out["tg_tps"] = {label: _median(m.get("tg_tps")) for label, m in models.items()}
+        out["pp_tps"] = {label: _median(m.get("pp_tps")) for label, m in models.items()}
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
+    lines = [f"build folder      {root}", f"exported model    {summary.get('exported')} ({summary.get('export_size_mib')} MiB)",
+             f"sparsity          {_fmt(summary.get('sparsity'))} ({summary.get('pattern')}), recovered with {summary.get('recovered_with')}"]
+    for key, title in (("ppl_pytorch", "perplexity torch"), ("ppl_runtime", f"perplexity {summary.get('runtime', 'runtime')}"),
+                       ("kl_mean", "KL(dense||x) mean"), ("top1", "top-1 agreement"), ("tg_tps", "generation tok/s"),
+                       ("pp_tps", "prompt tok/s")):
+        if summary.get(key):
+            lines.append(f"{title:<18}" + "  ".join(f"{k}={_fmt(v)}" for k, v in summary[key].items()))
+    gates = summary.get("gates") or []
+    if gates:
+        lines.append("gates             " + "  ".join(
+            f"{g.get('name')}: {'pass' if g.get('passed') else 'FAIL'} ({_fmt(g.get('value'))} vs {_fmt(g.get('threshold'))})" for g in gates))
+    walls = summary.get("stage_wall_s", {})
+    reused = set(summary.get("stage_reused", []))
+    lines.append("stages            " + "  ".join(f"{k}={'reused' if k in reused else _fmt(v) + 's'}" for k, v in walls.items()))
+    return lines
