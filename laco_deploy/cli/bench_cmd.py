@@ -69,3 +69,30 @@ def bench_run(
 
         write_json(out, result.to_dict())
         console.print(f"wrote {out}")
+
+
+@bench_app.command("compare")
+def bench_compare(
+    baseline: Annotated[Path, typer.Argument(help="Baseline suite result (JSON), e.g. benchmarks/baselines/ci.json.")],
+    current: Annotated[Path, typer.Argument(help="Current suite result (JSON) from benchmarks/run_suite.py.")],
+    tolerance: Annotated[Optional[list[str]], typer.Option("--tolerance", help="Override a metric's tolerance: METRIC=rel:0.1 or METRIC=abs:0.5 (repeatable).")] = None,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the table to this Markdown file (for a PR comment).")] = None,
+) -> None:
+    """Compare two benchmark results metric by metric; exit 1 on any regression, 0 otherwise.
+
+    Tolerances come from the baseline (set per metric in the suite's config): relative for times, absolute or relative for quality. Times are ratios against a reference measured in the same run, so a noisy or slower machine does not raise false alarms.
+    """
+    from laco_deploy.bench.compare import compare, failed, load_result, parse_tolerances, render
+    from laco_deploy.errors import GateFailed
+
+    rows = compare(load_result(baseline), load_result(current), parse_tolerances(tolerance or []))
+    table = render(rows)
+    console.print(table, highlight=False)
+    if markdown is not None:
+        from laco_deploy.fsutil import write_text
+
+        write_text(markdown, table + "\n")
+    bad = failed(rows)
+    if bad:
+        raise GateFailed(f"{len(bad)} metric(s) regressed: " + ", ".join(f"{r.name} ({r.status.lower()})" for r in bad))
+    console.print(f"no regression across {len(rows)} metrics")
