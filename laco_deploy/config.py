@@ -65,6 +65,7 @@ class PruneConfig:
     owl_lambda: float = 0.08  # max deviation of a layer's ratio from the mean
     owl_m: float = 5.0  # outlier threshold, multiples of the mean score
     offload: str = "cpu"  # where activations live: cpu | disk
+    structured_metric: str = "wanda"  # channel/head-group importance: wanda | fluctuation (FLAP)
 
     def validate(self) -> list[str]:
         errs = []
@@ -89,6 +90,20 @@ class PruneConfig:
         bad = [t for t in self.targets if t not in PRUNABLE_LINEARS]
         if bad:
             errs.append(f"--targets {','.join(bad)} unknown; choose from {','.join(PRUNABLE_LINEARS)}")
+        if not self.targets:
+            errs.append(f"--targets is empty; name at least one of {','.join(PRUNABLE_LINEARS)}")
+        if self.owl and (self.pattern is not None or self.structured is not None):
+            errs.append("--owl sets per-layer ratios for unstructured --sparsity only; drop --pattern/--structured or --owl")
+        if self.owl and not 0.0 < self.owl_lambda < 0.5:
+            errs.append(f"--owl-lambda {self.owl_lambda} must be in (0, 0.5)")
+        if self.owl and not self.owl_m > 0:
+            errs.append(f"--owl-m {self.owl_m} must be positive")
+        if not 0.0 <= self.sparsegpt_damp < 1.0:
+            errs.append(f"--damp {self.sparsegpt_damp} must be in [0, 1); 0.01 is the paper's value")
+        if self.sparsegpt_blocksize < 1:
+            errs.append(f"--blocksize {self.sparsegpt_blocksize} must be at least 1; 128 is the paper's value")
+        if self.structured_metric not in ("wanda", "fluctuation"):
+            errs.append(f"--structured-metric {self.structured_metric!r} is not one of wanda, fluctuation")
         return errs
 
 
@@ -107,6 +122,13 @@ class CompensateConfig:
     lora_alpha: float = 16.0
     lora_lr: float = 2e-4
     offload: str = "cpu"
+    # calibration budget: None resolves by device in compensate/budget.py (gpu_samples on CUDA,
+    # cpu_samples on CPU); an explicit number always wins
+    samples: int | None = None
+    gpu_samples: int = 2048  # the paper's budget
+    cpu_samples: int = 32  # small budget that finishes in minutes on the default model
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (surviving weights only)
+    warmup_fraction: float = 0.05  # share of steps with linear LR warmup before the cosine decay
 
     def validate(self) -> list[str]:
         errs = []
@@ -120,6 +142,16 @@ class CompensateConfig:
             errs.append(f"--lr {self.lr} must be positive")
         if not 0.0 <= self.val_fraction < 1.0:
             errs.append(f"--val-fraction {self.val_fraction} must be in [0, 1)")
+        if self.samples is not None and self.samples < 1:
+            errs.append(f"--samples {self.samples} must be at least 1")
+        if self.patience < 1:
+            errs.append(f"--patience {self.patience} must be at least 1")
+        if self.lora_rank < 1 or not self.lora_lr > 0:
+            errs.append(f"--lora-rank {self.lora_rank} must be at least 1 and --lora-lr {self.lora_lr} positive")
+        if self.offload not in ("cpu", "disk"):
+            errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
+        if self.weight_decay < 0 or not 0.0 <= self.warmup_fraction < 1.0:
+            errs.append("--weight-decay must be >= 0 and --warmup-fraction in [0, 1)")
         return errs
 
 
@@ -128,15 +160,22 @@ class FidelityConfig:
     max_kl: float | None = None  # gate: mean KL(dense || candidate) in nats
     min_top1: float | None = None  # gate: top-1 agreement in [0, 1]
     max_ppl_ratio: float | None = None  # gate: candidate / dense perplexity
+    layerwise: bool = True  # per-layer hidden-state curves for PyTorch candidates (one forward pass each)
+    threads: int | None = None  # onnxruntime / llama.cpp threads; None: the runtime's default
 
     def validate(self) -> list[str]:
         errs = []
+        for flag, value in (("--max-kl", self.max_kl), ("--min-top1", self.min_top1), ("--max-ppl-ratio", self.max_ppl_ratio)):
+            if value is not None and value != value:
+                errs.append(f"{flag} nan is not a number; pass a number or leave the gate out")
         if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
             errs.append(f"--min-top1 {self.min_top1} must be in [0, 1]")
         if self.max_kl is not None and self.max_kl < 0:
             errs.append(f"--max-kl {self.max_kl} must be non-negative")
         if self.max_ppl_ratio is not None and self.max_ppl_ratio < 1.0:
             errs.append(f"--max-ppl-ratio {self.max_ppl_ratio} must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            errs.append(f"--threads {self.threads} must be at least 1 (or left out for the runtime's default)")
         return errs
 
 

@@ -1,12 +1,70 @@
-"""`laco-deploy prune` (being built; see the issue tracker)."""
+"""`laco-deploy prune`: prune a dense model layer by layer and write a Hugging Face directory."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
 from laco_deploy.cli import app
-from laco_deploy.errors import ConfigError
+from laco_deploy.cli.common import (AllowPickleOpt, CalibOpt, DeviceOpt, ModelOpt, SamplesOpt, SeedOpt, SeqlenOpt,
+                                    check, console, data_config, model_config)
+from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig
+
+_P, _D, _M = PruneConfig(), DataConfig(), ModelConfig()
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """"q_proj, down_proj" -> ("q_proj", "down_proj"); `all` -> every prunable linear."""
+    if text.strip() == "all":
+        return PRUNABLE_LINEARS
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 @app.command("prune")
-def prune_command() -> None:
-    """Not available yet in this build."""
-    raise ConfigError("'prune' is not available yet in this version")
+def prune_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output Hugging Face directory (written atomically; checkpoints go to OUT.ckpt while running).")],
+    model: ModelOpt = _M.model,
+    method: Annotated[str, typer.Option("--method", help="magnitude, wanda or sparsegpt.")] = _P.method,
+    sparsity: Annotated[float, typer.Option("--sparsity", help="Unstructured share of weights zeroed in every output row, in [0, 1).")] = _P.sparsity,
+    pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
+    structured: Annotated[Optional[float], typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
+    structured_metric: Annotated[str, typer.Option("--structured-metric", help="Importance for --structured: wanda (|W|*||X|| summed per channel) or fluctuation (FLAP).")] = _P.structured_metric,
+    targets: Annotated[str, typer.Option("--targets", help="Comma-separated linears to prune, or 'all' (embeddings and LM head are never pruned).")] = ",".join(_P.targets),
+    owl: Annotated[bool, typer.Option("--owl", help="Outlier-weighted per-layer ratios (OWL) around --sparsity; one extra pass.")] = _P.owl,
+    owl_lambda: Annotated[float, typer.Option("--owl-lambda", help="OWL: largest deviation of a layer's ratio from --sparsity.")] = _P.owl_lambda,
+    owl_m: Annotated[float, typer.Option("--owl-m", help="OWL: outlier threshold in multiples of the mean score.")] = _P.owl_m,
+    damp: Annotated[float, typer.Option("--damp", help="SparseGPT: Hessian damping as a share of its mean diagonal.")] = _P.sparsegpt_damp,
+    blocksize: Annotated[int, typer.Option("--blocksize", help="SparseGPT: columns per lazy-update block.")] = _P.sparsegpt_blocksize,
+    offload: Annotated[str, typer.Option("--offload", help="Where calibration activations live: cpu (RAM) or disk (memory-mapped).")] = _P.offload,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUT.ckpt (same settings).")] = False,
+    device: DeviceOpt = _M.device,
+    allow_pickle: AllowPickleOpt = False,
+    calib: CalibOpt = _D.calib,
+    samples: SamplesOpt = _D.samples,
+    seqlen: SeqlenOpt = _D.seqlen,
+    seed: SeedOpt = _D.seed,
+) -> None:
+    """Prune a model with magnitude, Wanda or SparseGPT (unstructured, N:M or structured).
+
+    One decoder layer at a time is on the device; each layer is pruned from the outputs of its
+    already pruned predecessors. Writes safetensors, the tokenizer and sparsity.json.
+    """
+    from laco_deploy.models import resolve_device
+    from laco_deploy.prune import run
+
+    mcfg = model_config(model, device, allow_pickle)
+    dcfg = data_config(calib, _D.eval, samples, seqlen, _D.eval_samples, seed)
+    pcfg = PruneConfig(method=method.lower(), sparsity=sparsity, pattern=pattern, structured=structured,
+                       structured_metric=structured_metric, targets=parse_targets(targets), sparsegpt_damp=damp,
+                       sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload)
+    check(pcfg.validate())
+    result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
+    console.print(f"pruned       {result.settings['model']} with {pcfg.method}, {result.pattern}")
+    console.print(f"sparsity     {result.sparsity:.2%} realised over the pruned matrices")
+    console.print(f"time         {result.wall_s:.1f} s")
+    console.print(f"peak memory  {result.peak_mib:.0f} MiB ({result.memory_kind})")
+    console.print(f"written to   {result.model_dir}")
+    for note in result.notes:
+        console.print(f"note         {note}")

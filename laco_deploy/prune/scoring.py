@@ -157,3 +157,32 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, *, ratio: float
 def _cum_target(total: int, cols: int, upto: int) -> int:
     """Weights of a row pruned among its first `upto` columns so the whole row prunes `total`."""
     return int(math.floor(total * upto / cols + 0.5))
+
+
+# ---------------------------------------------------------------- structured (channels, head groups)
+
+
+def wanda_row_importance(weight: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
+    """Sum of Wanda scores along each output row: sum_j |W_ij| ||X_j||. weight [out, in] -> [out]."""
+    return wanda_scores(weight, sq_norms).sum(dim=1)
+
+
+def wanda_column_importance(weight: torch.Tensor, sq_norms: torch.Tensor) -> torch.Tensor:
+    """Sum of Wanda scores down each input column: ||X_j|| sum_i |W_ij|. weight [out, in] -> [in]."""
+    return wanda_scores(weight, sq_norms).sum(dim=0)
+
+
+def fluctuation_importance(weight: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+    """FLAP's fluctuation metric of input column j: Var_t(X_tj) * ||W[:, j]||_2^2. weight [out, in] -> [in]."""
+    return variance.to(weight.dtype) * weight.pow(2).sum(dim=0)
+
+
+def group_sum(scores: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum consecutive equal slices: [groups * k] -> [groups] (e.g. head_dim columns per head group)."""
+    return scores.view(groups, -1).sum(dim=1)
+
+
+def keep_indices(scores: torch.Tensor, remove: int) -> torch.Tensor:
+    """Indices (ascending) of the entries kept after dropping the `remove` lowest scores. [n] -> [n - remove]."""
+    order = torch.sort(scores, stable=True).indices
+    return torch.sort(order[remove:]).values

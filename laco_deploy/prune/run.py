@@ -1,0 +1,106 @@
+"""The prune stage: load the dense model, walk its layers on the sparse path, write a HF directory.
+
+Lifecycle only; the math lives in scoring.py (masks, SparseGPT), structural.py (channel removal)
+and owl.py (per-layer ratios). Checkpoints go to `<out_dir>.ckpt/` and are removed on success.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from laco_deploy import data as data_mod
+from laco_deploy.artifacts import ModelDirResult
+from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig, to_dict
+from laco_deploy.engine import Paths, capture_layer_inputs, walk_layers
+from laco_deploy.errors import ConfigError
+from laco_deploy.memory import measure
+from laco_deploy.models import linear_modules, load_model, resolve_device, save_model
+from laco_deploy.prune import owl, record, step, structural
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZE = 8  # calibration samples per layer call; memory ~ batch * seqlen * ffn width
+
+
+def checkpoint_dir(out_dir: Path) -> Path:
+    """Sibling folder holding per-layer checkpoints while a run is in progress."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + ".ckpt")
+
+
+def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig) -> None:
+    errors = model_cfg.validate() + data_cfg.validate() + prune_cfg.validate()
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+
+def _calibration_record(data_cfg: DataConfig) -> dict:
+    return {"calib": data_cfg.calib, "samples": data_cfg.samples, "seqlen": data_cfg.seqlen, "seed": data_cfg.seed}
+
+
+def _fingerprint(loaded, data_cfg: DataConfig, prune_cfg: PruneConfig) -> dict:
+    """What must match for --resume to reuse checkpoints (JSON-normalised: tuples become lists)."""
+    fp = {"stage": "prune", "model": str(loaded.path or loaded.source), "data": _calibration_record(data_cfg),
+          "prune": to_dict(prune_cfg)}
+    return json.loads(json.dumps(fp))
+
+
+def _make_step(prune_cfg: PruneConfig, ratios: list[float]):
+    """The per-layer step; module functions are looked up at call time (tests patch them)."""
+    if prune_cfg.structured is not None:
+        return lambda ctx: structural.prune_layer_structured(ctx, prune_cfg)
+    return lambda ctx: step.prune_layer(ctx, prune_cfg, ratios[ctx.index])
+
+
+def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, out_dir: Path, *,
+        resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
+    """Prune the dense model of `model_cfg` and write it to `out_dir` (HF dir + sparsity.json)."""
+    _validate(model_cfg, data_cfg, prune_cfg)
+    out_dir = Path(out_dir)
+    device = device if device is not None else resolve_device(model_cfg.device)
+    ckpt = checkpoint_dir(out_dir)
+    log.info("prune settings: %s; calibration: %s; device %s", to_dict(prune_cfg), _calibration_record(data_cfg), device)
+    t0 = time.perf_counter()
+    with measure(device) as meas:
+        loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle,
+                            trust_remote_code=model_cfg.trust_remote_code)
+        model, tok = loaded.model, loaded.tokenizer
+        if prune_cfg.structured is not None:
+            structural.check_feasible(model.config, prune_cfg)
+        ids = data_mod.calibration_samples(tok, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)
+        fingerprint = _fingerprint(loaded, data_cfg, prune_cfg)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        inputs = capture_layer_inputs(model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
+        dense_numel = {f"model.layers.{i}.{name}": lin.weight.numel()
+                       for i, layer in enumerate(model.model.layers)
+                       for name, lin in linear_modules(layer, PRUNABLE_LINEARS).items()}
+        ratios = owl.layer_ratios(model, inputs, prune_cfg, device=device, batch_size=BATCH_SIZE,
+                                  cache_file=ckpt / "owl.json", resume=resume)
+        records = walk_layers(model, inputs, _make_step(prune_cfg, ratios), paths=Paths.SPARSE, device=device,
+                              batch_size=BATCH_SIZE, checkpoint_dir=ckpt, fingerprint=fingerprint, resume=resume,
+                              desc="prune")
+        del inputs
+        overall = record.summarize(records, dense_numel)
+        calib = _calibration_record(data_cfg)
+        if prune_cfg.structured is not None:
+            structural.record_widths(model.config, records)
+        model.config.laco_deploy = record.config_summary(prune_cfg, overall, calib)
+        doc = record.sparsity_document(prune_cfg, records, overall, calib, time.perf_counter() - t0)
+        save_model(model, tok, out_dir, extra_files={record.SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+    shutil.rmtree(ckpt, ignore_errors=True)
+    log.info("pruned model written to %s (sparsity %.4f)", out_dir, overall["sparsity"])
+    m = meas.to_dict()
+    return ModelDirResult(
+        model_dir=str(out_dir), stage="prune", sparsity=overall["sparsity"], pattern=record.pattern_label(prune_cfg),
+        settings={"prune": to_dict(prune_cfg), "calibration": calib, "model": loaded.source},
+        per_layer=[{k: v for k, v in r.items() if k != "matrices"} for r in records],
+        wall_s=m["wall_s"], peak_mib=m["peak_mib"], memory_kind=m["memory_kind"],
+        notes=[f"layer ratios (OWL): {[round(r, 4) for r in ratios]}"] if prune_cfg.owl else [],
+    )
+

@@ -1,0 +1,166 @@
+"""Structured pruning: remove FFN channels and whole KV head groups physically from a decoder layer.
+
+An FFN channel j is row j of gate_proj and up_proj and column j of down_proj. A head group g is
+KV head g (rows of k_proj, v_proj) with the G = heads / kv_heads query heads that share it (rows of
+q_proj, columns of o_proj); removing whole groups keeps the GQA ratio, head_dim and RoPE intact.
+The smaller widths per layer are recorded in config.json (`laco_layer_widths`, see
+laco_deploy.structured), which laco_deploy.models uses to rebuild the shapes when loading.
+
+Importance (from the calibration inputs of the layer, on the sparse path):
+- "wanda": sum of Wanda scores |W| ||X|| over all weights of the channel / group;
+- "fluctuation" (FLAP): Var(X_j) ||W[:, j]||^2 of the input columns of down_proj / o_proj.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from laco_deploy.config import PruneConfig
+from laco_deploy.errors import ConfigError
+from laco_deploy.prune import scoring
+from laco_deploy.prune.stats import InputStats, collect_input_stats
+from laco_deploy.prune.step import matrix_record
+
+FFN = ("gate_proj", "up_proj", "down_proj")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def removal_count(width: int, ratio: float) -> int:
+    """Channels (or head groups) removed from `width` at `ratio`: rounded to nearest."""
+    return int(width * ratio + 0.5)
+
+
+def _parts(cfg: PruneConfig) -> tuple[bool, bool]:
+    """(prune FFN channels, prune head groups) from the target linears."""
+    return any(t in cfg.targets for t in FFN), any(t in cfg.targets for t in ATTN)
+
+
+def check_feasible(config, cfg: PruneConfig) -> None:
+    """Refuse a ratio that would remove every FFN channel or every head group of a layer."""
+    from laco_deploy.structured import layer_widths
+
+    ffn_on, attn_on = _parts(cfg)
+    for i, w in enumerate(layer_widths(config)):
+        if ffn_on and removal_count(w["intermediate_size"], cfg.structured) >= w["intermediate_size"]:
+            raise ConfigError(f"--structured {cfg.structured} would remove all {w['intermediate_size']} FFN channels "
+                              f"of layer {i}; use a smaller ratio")
+        kv = w["num_key_value_heads"]
+        if attn_on and removal_count(kv, cfg.structured) >= kv:
+            raise ConfigError(f"--structured {cfg.structured} would remove all {kv} attention head groups of layer {i}; "
+                              f"use a ratio below {(kv - 0.5) / kv:.2f}, or --targets gate_proj,up_proj,down_proj for FFN only")
+
+
+def ffn_importance(mlp, stats: dict[str, InputStats], metric: str) -> torch.Tensor:
+    """Importance of each intermediate channel. -> [ffn]"""
+    down = mlp.down_proj.weight
+    if metric == "fluctuation":
+        return scoring.fluctuation_importance(down, stats["down_proj"].variance())
+    x_in = stats["gate_proj"].sq_sum
+    return (scoring.wanda_row_importance(mlp.gate_proj.weight, x_in)
+            + scoring.wanda_row_importance(mlp.up_proj.weight, x_in)
+            + scoring.wanda_column_importance(down, stats["down_proj"].sq_sum))
+
+
+def head_group_importance(attn, stats: dict[str, InputStats], metric: str, kv_heads: int) -> torch.Tensor:
+    """Importance of each KV head group (KV head + its query heads). -> [kv_heads]"""
+    o = attn.o_proj.weight
+    if metric == "fluctuation":
+        return scoring.group_sum(scoring.fluctuation_importance(o, stats["o_proj"].variance()), kv_heads)
+    x_in = stats["q_proj"].sq_sum
+    score = scoring.group_sum(scoring.wanda_column_importance(o, stats["o_proj"].sq_sum), kv_heads)
+    score += scoring.group_sum(scoring.wanda_row_importance(attn.q_proj.weight, x_in), kv_heads)
+    for lin in (attn.k_proj, attn.v_proj):
+        score += scoring.group_sum(scoring.wanda_row_importance(lin.weight, x_in), kv_heads)
+    return score
+
+
+def _slice_linear(lin: torch.nn.Linear, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> torch.nn.Linear:
+    """A new Linear holding the kept rows (outputs) and/or columns (inputs) of `lin`."""
+    w = lin.weight.data
+    b = lin.bias.data if lin.bias is not None else None
+    if rows is not None:
+        w = w.index_select(0, rows.to(w.device))
+        b = b.index_select(0, rows.to(w.device)) if b is not None else None
+    if cols is not None:
+        w = w.index_select(1, cols.to(w.device))
+    new = torch.nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
+    new.weight.data.copy_(w)
+    if b is not None:
+        new.bias.data.copy_(b)
+    new.weight.requires_grad_(lin.weight.requires_grad)
+    return new
+
+
+def remove_ffn_channels(mlp, keep: torch.Tensor) -> None:
+    """Keep intermediate channels `keep` [k] (ascending): rows of gate/up, columns of down."""
+    mlp.gate_proj = _slice_linear(mlp.gate_proj, rows=keep)
+    mlp.up_proj = _slice_linear(mlp.up_proj, rows=keep)
+    mlp.down_proj = _slice_linear(mlp.down_proj, cols=keep)
+    if hasattr(mlp, "intermediate_size"):
+        mlp.intermediate_size = int(keep.numel())
+
+
+def head_rows(groups: torch.Tensor, per_group: int, head_dim: int) -> torch.Tensor:
+    """Row indices of the heads of `groups` when each group holds `per_group` heads of `head_dim` rows."""
+    span = per_group * head_dim
+    return (groups.unsqueeze(1) * span + torch.arange(span, device=groups.device).unsqueeze(0)).flatten()
+
+
+def remove_head_groups(attn, keep_groups: torch.Tensor, kv_heads: int) -> None:
+    """Keep KV head groups `keep_groups` [k] (ascending): q/k/v rows and o columns of those heads."""
+    head_dim = attn.head_dim
+    group = attn.q_proj.out_features // head_dim // kv_heads  # query heads per KV head
+    q_idx = head_rows(keep_groups, group, head_dim)
+    kv_idx = head_rows(keep_groups, 1, head_dim)
+    attn.q_proj = _slice_linear(attn.q_proj, rows=q_idx)
+    attn.k_proj = _slice_linear(attn.k_proj, rows=kv_idx)
+    attn.v_proj = _slice_linear(attn.v_proj, rows=kv_idx)
+    attn.o_proj = _slice_linear(attn.o_proj, cols=q_idx)
+
+
+def layer_width(layer) -> dict[str, int]:
+    """Current widths of a decoder layer, read from its module shapes."""
+    attn, head_dim = layer.self_attn, layer.self_attn.head_dim
+    return {"intermediate_size": layer.mlp.gate_proj.out_features,
+            "num_attention_heads": attn.q_proj.out_features // head_dim,
+            "num_key_value_heads": attn.k_proj.out_features // head_dim}
+
+
+def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
+    """Shrink `ctx.layer` (engine LayerContext) by cfg.structured; return widths, kept indices, matrices."""
+    t0 = time.perf_counter()
+    layer = ctx.layer
+    ffn_on, attn_on = _parts(cfg)
+    before = layer_width(layer)
+    names = {f"mlp.{n}": getattr(layer.mlp, n) for n in FFN} | {f"self_attn.{n}": getattr(layer.self_attn, n) for n in ATTN}
+    ctx.progress("statistics")
+    raw = collect_input_stats(ctx, names, hessian=False)
+    stats = {k.rsplit(".", 1)[-1]: v for k, v in raw.items()}
+    rec: dict = {"layer": ctx.index, "ratio": cfg.structured}
+    with torch.no_grad():
+        if ffn_on:
+            ctx.progress("ffn channels")
+            scores = ffn_importance(layer.mlp, stats, cfg.structured_metric)
+            keep = scoring.keep_indices(scores, removal_count(before["intermediate_size"], cfg.structured))
+            remove_ffn_channels(layer.mlp, keep)
+        if attn_on:
+            ctx.progress("head groups")
+            kv = before["num_key_value_heads"]
+            scores = head_group_importance(layer.self_attn, stats, cfg.structured_metric, kv)
+            keep_g = scoring.keep_indices(scores, removal_count(kv, cfg.structured))
+            remove_head_groups(layer.self_attn, keep_g, kv)
+            rec["kept_head_groups"] = keep_g.tolist()
+    rec["widths"] = layer_width(layer)
+    rec["seconds"] = round(time.perf_counter() - t0, 3)
+    shrunk = ([f"mlp.{n}" for n in FFN] if ffn_on else []) + ([f"self_attn.{n}" for n in ATTN] if attn_on else [])
+    rec["matrices"] = {f"model.layers.{ctx.index}.{n}": matrix_record(layer.get_submodule(n).weight.data) for n in shrunk}
+    return rec
+
+
+def record_widths(config, records: list[dict]) -> None:
+    """Write the per-layer widths into the HF config (`laco_layer_widths`)."""
+    from laco_deploy.structured import WIDTHS_KEY
+
+    setattr(config, WIDTHS_KEY, [r["widths"] for r in records])
