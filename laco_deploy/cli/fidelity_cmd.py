@@ -1,12 +1,74 @@
-"""`laco-deploy fidelity` (being built; see the issue tracker)."""
+"""`laco-deploy fidelity`: compare candidates (PyTorch, ONNX, GGUF) with the dense model; gates exit 1."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
 from laco_deploy.cli import app
-from laco_deploy.errors import ConfigError
+from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, check, console
+from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
+from laco_deploy.errors import ConfigError, GateFailed
+
+_F = FidelityConfig()
+
+
+def parse_candidates(specs: list[str]) -> dict[str, Path]:
+    """`LABEL=PATH` or `PATH` (label: the file or folder name) -> {label: path}, in order."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            label, path = Path(spec.rstrip("/")).name, spec
+        if not label or not path:
+            raise ConfigError(f"--candidate {spec!r} is empty on one side; write LABEL=PATH, e.g. --candidate pruned=out/pruned")
+        if label in out:
+            raise ConfigError(f"--candidate label {label!r} is used twice; give each candidate its own LABEL=PATH")
+        if not Path(path).exists():
+            raise ConfigError(f"--candidate {path} not found; pass a Hugging Face directory, an ONNX export (folder or .onnx) "
+                              "or a .gguf file, optionally as LABEL=PATH")
+        out[label] = Path(path)
+    if not out:
+        raise ConfigError("no --candidate given; pass at least one, e.g. --candidate pruned=out/pruned")
+    return out
 
 
 @app.command("fidelity")
-def fidelity_command() -> None:
-    """Not available yet in this build."""
-    raise ConfigError("'fidelity' is not available yet in this version")
+def fidelity_command(
+    candidate: Annotated[list[str], typer.Option("--candidate", "-c", help="Model to compare, as PATH or LABEL=PATH (repeatable): a Hugging Face directory (PyTorch), an ONNX export folder or .onnx file (onnxruntime), or a .gguf file (llama.cpp).")],
+    dense: Annotated[str, typer.Option("--dense", "-d", help="Dense reference model: a Hugging Face directory, a .gguf file, a hub id or 'default'.")] = ModelConfig.model,
+    report: Annotated[Path, typer.Option("--report", "-o", help="Folder for fidelity.json, fidelity.md and fidelity.html.")] = Path("fidelity-report"),
+    max_kl: Annotated[Optional[float], typer.Option("--max-kl", help="Gate: fail when a candidate's mean per-token KL(dense||candidate) in nats exceeds this. Default: no gate.")] = _F.max_kl,
+    min_top1: Annotated[Optional[float], typer.Option("--min-top1", help="Gate: fail when top-1 agreement (0..1) is below this. Default: no gate.")] = _F.min_top1,
+    max_ppl_ratio: Annotated[Optional[float], typer.Option("--max-ppl-ratio", help="Gate: fail when candidate/dense perplexity exceeds this (>= 1). Default: no gate.")] = _F.max_ppl_ratio,
+    eval_: EvalOpt = DataConfig.eval,
+    eval_samples: EvalSamplesOpt = DataConfig.eval_samples,
+    seqlen: SeqlenOpt = DataConfig.seqlen,
+    device: DeviceOpt = ModelConfig.device,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="Threads for onnxruntime / llama.cpp candidates. Default: the runtime's own.")] = _F.threads,
+    layerwise: Annotated[bool, typer.Option("--layerwise/--no-layerwise", help="Per-layer hidden-state curves for PyTorch candidates.")] = _F.layerwise,
+) -> None:
+    """Measure how far each candidate is from the dense model on the same evaluation tokens.
+
+    Per-token KL(dense||candidate) (mean, median, p99, max), top-1 agreement, the change in the
+    probability of the dense model's top token, perplexity and its ratio, and for PyTorch
+    candidates the per-layer hidden-state error. Writes fidelity.json, fidelity.md and a
+    self-contained fidelity.html into --report. A failed gate still writes the reports, then exits 1.
+    """
+    model_cfg = ModelConfig(model=dense, device=device)
+    data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
+    fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads)
+    check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
+    candidates = parse_candidates(candidate)
+    from laco_deploy.fidelity import run
+    from laco_deploy.fidelity.gates import gate_message
+    from laco_deploy.fidelity.report import markdown
+
+    result = run(model_cfg, data_cfg, fid_cfg, candidates, report)
+    console.print(markdown(result.to_dict()), markup=False, highlight=False)
+    console.print(f"wrote {', '.join(result.reports.values())}", markup=False, highlight=False)
+    failed = [g for g in result.gates if not g["passed"]]
+    if failed:
+        raise GateFailed("; ".join(gate_message(g) for g in failed) + f" (reports in {report})")

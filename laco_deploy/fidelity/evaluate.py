@@ -1,0 +1,213 @@
+"""Fidelity stage: score candidates against the dense model on the same evaluation tokens.
+
+Every candidate (PyTorch directory, ONNX export, GGUF file) is opened through
+`laco_deploy.bench.runner.open_runner` and fed the same token windows. The loop goes window by
+window, so only one window's logits per model are alive at a time ([seq, vocab] each); the dense
+model runs once per window and every candidate is compared with it. PyTorch candidates also get
+per-layer hidden-state curves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from laco_deploy.artifacts import Artifact
+from laco_deploy.bench.runner import TorchRunner, open_runner
+from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
+from laco_deploy.data import evaluation_windows
+from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
+from laco_deploy.fidelity import metrics as M
+from laco_deploy.fidelity.gates import evaluate_gates
+from laco_deploy.fidelity.layerwise import LayerCurves, forward_with_layers
+from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
+from laco_deploy.models import decoder_layers, load_model, resolve_device
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = 1
+REPORT_FILES = {"json": "fidelity.json", "md": "fidelity.md", "html": "fidelity.html"}
+
+
+@dataclass(frozen=True)
+class FidelityResult(Artifact):
+    """What `fidelity.json` holds (documented field by field in laco_deploy/fidelity/schema.json)."""
+
+    dense: dict[str, Any]  # model, path, sha256, ppl, nll_mean, tokens_scored
+    candidates: dict[str, dict[str, Any]]  # label -> path, runtime, sha256, metrics, kl_* , per_layer, per_window
+    gates: list[dict[str, Any]]  # name, candidate, metric, threshold, value, passed, miss
+    passed: bool
+    settings: dict[str, Any]
+    versions: dict[str, str]
+    reports: dict[str, str] = field(default_factory=dict)  # kind -> file path
+    notes: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+
+class _Stats:
+    """Running per-candidate sums over windows; only per-token KL (one float each) is kept."""
+
+    def __init__(self, runtime: str, curves: LayerCurves | None):
+        self.runtime = runtime
+        self.kl: list[torch.Tensor] = []
+        self.top1 = 0
+        self.delta_sum = 0.0
+        self.tokens = 0
+        self.nll_sum = 0.0
+        self.nll_count = 0
+        self.curves = curves
+        self.per_window: list[dict[str, float]] = []
+
+    def add(self, dense: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor) -> None:
+        """One window: dense and candidate logits [seq, vocab], ids [seq]."""
+        kl = M.token_kl(dense, cand)
+        agree = M.top1_agreement(dense, cand)
+        nll = M.next_token_nll(cand, ids)
+        self.kl.append(kl.float())
+        self.top1 += int(agree.sum())
+        self.delta_sum += M.top_token_prob_delta(dense, cand).sum().item()
+        self.tokens += kl.numel()
+        self.nll_sum += nll.sum().item()
+        self.nll_count += nll.numel()
+        self.per_window.append({"kl_mean": kl.mean().item(), "top1": agree.float().mean().item(), "nll_mean": nll.mean().item()})
+
+    def metrics(self, dense_ppl: float) -> dict[str, Any]:
+        kl = torch.cat(self.kl)
+        ppl = M.perplexity(self.nll_sum, self.nll_count)
+        return {
+            "kl": M.summarize(kl),
+            "top1": self.top1 / self.tokens,
+            "p_top_delta": self.delta_sum / self.tokens,
+            "ppl": ppl,
+            "ppl_ratio": ppl / dense_ppl,
+            "nll_mean": self.nll_sum / self.nll_count,
+            "tokens": self.tokens,
+            "tokens_scored": self.nll_count,
+        }
+
+
+def run(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    fid_cfg: FidelityConfig,
+    candidates: dict[str, str | Path],
+    report_dir: Path,
+    *,
+    device: torch.device | None = None,
+) -> FidelityResult:
+    """Compare each candidate with the dense model `model_cfg.model`, write the three reports into
+    `report_dir` and return the result. Failed gates set `passed=False`; raising is the caller's call."""
+    errs = model_cfg.validate() + data_cfg.validate() + fid_cfg.validate()
+    if errs:
+        raise ConfigError("; ".join(errs))
+    if not candidates:
+        raise ConfigError("no candidate given; pass at least one model to compare, e.g. --candidate pruned=out/pruned")
+    t0 = time.perf_counter()
+    device = device if device is not None else resolve_device(model_cfg.device)
+    loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code)
+    windows = evaluation_windows(loaded.tokenizer, data_cfg.eval, data_cfg.eval_samples, data_cfg.seqlen)
+    dense = TorchRunner(loaded.model, device)
+    runners = {label: open_runner(path, device=device, threads=fid_cfg.threads) for label, path in candidates.items()}
+    notes: list[str] = []
+    stats = {label: _Stats(r.name, _curves_for(label, r, dense.model, fid_cfg, notes)) for label, r in runners.items()}
+    dense_nll = _evaluate(windows, dense, runners, stats, device)
+    del runners
+    dense_ppl = M.perplexity(*dense_nll)
+    cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl) for label in candidates}
+    gates = evaluate_gates(fid_cfg, {label: c["metrics"] for label, c in cand_out.items()})
+    report_dir = Path(report_dir)
+    result = FidelityResult(
+        dense={"model": model_cfg.model, "path": str(loaded.path), "sha256": input_hash(loaded.path),
+               "ppl": dense_ppl, "nll_mean": dense_nll[0] / dense_nll[1], "tokens_scored": dense_nll[1]},
+        candidates=cand_out,
+        gates=gates,
+        passed=all(g["passed"] for g in gates),
+        settings={"eval": data_cfg.eval, "eval_samples": data_cfg.eval_samples, "windows": int(windows.shape[0]),
+                  "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(windows), "device": str(device),
+                  "fidelity": to_dict(fid_cfg), "model": to_dict(model_cfg)},
+        versions=versions(),
+        reports={kind: str(report_dir / name) for kind, name in REPORT_FILES.items()},
+        notes=notes,
+        wall_s=time.perf_counter() - t0,
+    )
+    from laco_deploy.fidelity.report import write_reports
+
+    write_reports(result, report_dir)
+    return result
+
+
+def _curves_for(label: str, runner, dense_model, fid_cfg: FidelityConfig, notes: list[str]) -> LayerCurves | None:
+    """Per-layer curves for PyTorch candidates whose depth and hidden size match the dense model."""
+    if not fid_cfg.layerwise or not isinstance(runner, TorchRunner):
+        return None
+    n_dense, n_cand = len(decoder_layers(dense_model)), len(decoder_layers(runner.model))
+    h_dense, h_cand = dense_model.config.hidden_size, runner.model.config.hidden_size
+    if (n_dense, h_dense) != (n_cand, h_cand):
+        notes.append(f"{label}: no per-layer curves ({n_cand} layers x hidden {h_cand} vs dense {n_dense} x {h_dense})")
+        return None
+    return LayerCurves(n_dense)
+
+
+def _evaluate(windows: torch.Tensor, dense: TorchRunner, runners: dict, stats: dict[str, _Stats],
+              device: torch.device) -> tuple[float, int]:
+    """Window by window: dense forward once, every candidate compared with it. Returns dense (NLL sum, count)."""
+    need_layers = any(s.curves is not None for s in stats.values())
+    nll_sum, nll_count = 0.0, 0
+    for w in tqdm(range(windows.shape[0]), desc="fidelity", unit="window", dynamic_ncols=True):
+        ids = windows[w]
+        if need_layers:
+            d_logits, d_hidden = forward_with_layers(dense.model, ids, device)
+        else:
+            d_logits, d_hidden = dense.logits(ids), None
+        nll = M.next_token_nll(d_logits, ids)
+        nll_sum, nll_count = nll_sum + nll.sum().item(), nll_count + nll.numel()
+        for label, runner in runners.items():
+            st = stats[label]
+            if st.curves is not None:
+                c_logits, c_hidden = forward_with_layers(runner.model, ids, device)
+                st.curves.add(c_hidden, d_hidden)
+            else:
+                c_logits = _runner_logits(label, runner, ids)
+            _check_logits(label, c_logits, d_logits, w)
+            st.add(d_logits, c_logits, ids)
+    return nll_sum, nll_count
+
+
+def _runner_logits(label: str, runner, ids: torch.Tensor) -> torch.Tensor:
+    try:
+        return runner.logits(ids).float()
+    except RuntimeBackendError:
+        raise
+    except Exception as e:  # runtimes raise their own exception types
+        raise RuntimeBackendError(f"candidate {label} ({runner.name}) failed to compute logits: {type(e).__name__}: {e}; "
+                                  "check that the export completed and matches this runtime version") from e
+
+
+def _check_logits(label: str, cand: torch.Tensor, dense: torch.Tensor, window: int) -> None:
+    if cand.shape != dense.shape:
+        raise ModelError(f"candidate {label} returned logits of shape {tuple(cand.shape)} but the dense model {tuple(dense.shape)}; "
+                         "compare models that share the dense model's tokenizer and vocabulary")
+    if not torch.isfinite(cand).all():
+        raise RuntimeBackendError(f"candidate {label} produced NaN or infinite logits in evaluation window {window}; "
+                                  "the model or its export is broken (try a wider weight type, e.g. fp32 or q8_0)")
+
+
+def _candidate_record(label: str, path: str | Path, st: _Stats, dense_ppl: float) -> dict[str, Any]:
+    kl = torch.cat(st.kl).double()
+    q = torch.linspace(0, 1, 101, dtype=torch.float64)
+    return {
+        "path": str(path),
+        "runtime": st.runtime,
+        "sha256": input_hash(Path(path)),
+        "metrics": st.metrics(dense_ppl),
+        "kl_quantiles": {"q": q.tolist(), "value": torch.quantile(kl, q).tolist()},
+        "kl_histogram": M.log_histogram(kl),
+        "per_layer": st.curves.to_list() if st.curves is not None else None,
+        "per_window": st.per_window,
+    }
