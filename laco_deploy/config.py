@@ -129,6 +129,7 @@ class CompensateConfig:
     cpu_samples: int = 32  # small budget that finishes in minutes on the default model
     weight_decay: float = 0.0  # AdamW decoupled weight decay (surviving weights only)
     warmup_fraction: float = 0.05  # share of steps with linear LR warmup before the cosine decay
+    lr_last_factor: float = 1.0  # LaCo LR decays geometrically from lr (layer 0) to lr * this (last layer)
 
     def validate(self) -> list[str]:
         errs = []
@@ -152,6 +153,8 @@ class CompensateConfig:
             errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
         if self.weight_decay < 0 or not 0.0 <= self.warmup_fraction < 1.0:
             errs.append("--weight-decay must be >= 0 and --warmup-fraction in [0, 1)")
+        if not self.lr_last_factor > 0:
+            errs.append(f"--lr-last-factor {self.lr_last_factor} must be positive")
         return errs
 
 

@@ -1,12 +1,83 @@
-"""`laco-deploy compensate` (being built; see the issue tracker)."""
+"""`laco-deploy compensate`: repair a pruned model with LaCo layer-wise compensation (or the LoRA baseline)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
 from laco_deploy.cli import app
-from laco_deploy.errors import ConfigError
+from laco_deploy.cli.common import CalibOpt, DeviceOpt, SeedOpt, SeqlenOpt, check, console, model_config
+from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
+
+_C, _D = CompensateConfig(), DataConfig()
+
+
+def _summary(result) -> None:
+    from rich.table import Table
+
+    s = result.settings
+    console.print(f"compensated ({s['compensate']['method']}) {result.pattern} model written to {result.model_dir}")
+    if result.per_layer:
+        table = Table("layer", "nmse before", "nmse after", "epochs", "time s", "peak MiB", title="per layer")
+        for r in result.per_layer:
+            table.add_row(str(r["layer"]), f"{r['nmse_before']:.4g}", f"{r['nmse_after']:.4g}", str(r["epochs_run"]),
+                          f"{r['time_s']:.1f}", f"{r['peak_mib']:.0f}")
+        console.print(table)
+    if "lora" in s:
+        lo = s["lora"]
+        console.print(f"LM loss (held-out) {lo['lm_loss_before']} -> {lo['lm_loss_after']} after {lo['epochs_run']} epochs")
+    console.print(f"wall time {result.wall_s:.1f} s on {s['device']}")
+    for note in result.notes:
+        console.print(f"  {note}")
 
 
 @app.command("compensate")
-def compensate_command() -> None:
-    """Not available yet in this build."""
-    raise ConfigError("'compensate' is not available yet in this version")
+def compensate_command(
+    dense: Annotated[str, typer.Option("--dense", help="The dense model that was pruned: a HF directory, a .gguf file, a hub id or 'default'.")] = ModelConfig.model,
+    sparse: Annotated[Path, typer.Option("--sparse", help="Pruned model directory written by `laco-deploy prune`.")] = ...,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Output directory for the compensated model (written atomically; checkpoints in OUT.ckpt).")] = ...,
+    method: Annotated[str, typer.Option("--method", help="laco (layer-wise), lora (PEFT LoRA baseline, whole model) or none (copy).")] = _C.method,
+    loss: Annotated[str, typer.Option("--loss", help="LaCo loss: mse, nmse (per-token normalized), cos_mse or subblock (attention and MLP outputs separately).")] = _C.loss,
+    epochs: Annotated[int, typer.Option("--epochs", help="Passes over the calibration samples per layer (LoRA: over the model).")] = _C.epochs,
+    lr: Annotated[float, typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule).")] = _C.lr,
+    lr_last_factor: Annotated[float, typer.Option("--lr-last-factor", help="LaCo: the last layer's LR is lr * this (geometric decay over depth).")] = _C.lr_last_factor,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Samples per step.")] = _C.batch_size,
+    grad_accum: Annotated[int, typer.Option("--grad-accum", help="Steps of gradient accumulation per update.")] = _C.grad_accum,
+    train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="LaCo: also train the RMSNorm scales.")] = _C.train_norms,
+    val_fraction: Annotated[float, typer.Option("--val-fraction", help="Held-out share of calibration samples for early stopping (0: none).")] = _C.val_fraction,
+    patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
+    lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
+    lora_lr: Annotated[float, typer.Option("--lora-lr", help="LoRA AdamW learning rate.")] = _C.lora_lr,
+    offload: Annotated[str, typer.Option("--offload", help="Where activations live: cpu (RAM) or disk (memory-mapped).")] = _C.offload,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT.ckpt after an interrupted run (same result as uninterrupted). Default: off, start over.")] = False,
+    device: DeviceOpt = ModelConfig.device,
+    calib: CalibOpt = _D.calib,
+    samples: Annotated[Optional[int], typer.Option("--samples", help=f"Calibration samples. Default: {_C.gpu_samples} on CUDA (the paper), {_C.cpu_samples} on CPU (a small budget).")] = None,
+    seqlen: SeqlenOpt = _D.seqlen,
+    seed: SeedOpt = _D.seed,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the result record as JSON here. Default: not written.")] = None,
+) -> None:
+    """Compensate a pruned model layer by layer so each layer reproduces the dense model's hidden states.
+
+    Only one decoder layer and its dense twin are on the device at a time; activations stay in RAM
+    or on disk. The sparsity pattern is kept bit-exactly.
+    """
+    mcfg = model_config(dense, device, False)
+    dcfg = DataConfig(calib=calib, samples=samples if samples is not None else _D.samples, seqlen=seqlen, seed=seed)
+    ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
+                            batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
+                            val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
+                            offload=offload, samples=samples)
+    check(dcfg.validate() + ccfg.validate())
+    from laco_deploy.compensate import run
+    from laco_deploy.models import resolve_device
+
+    result = run(mcfg, dcfg, ccfg, sparse, out, resume=resume, device=resolve_device(mcfg.device))
+    _summary(result)
+    if json_out is not None:
+        from laco_deploy.fsutil import write_json
+
+        write_json(json_out, result.to_dict())
+        console.print(f"wrote {json_out}")

@@ -1,0 +1,43 @@
+"""The calibration budget of a compensation run, resolved in one place and logged.
+
+An explicit `CompensateConfig.samples` always wins. Otherwise the budget follows the device:
+on CUDA the paper's 2,048 unlabeled samples; on CPU a small budget that finishes in minutes on
+the default model (SmolLM2-135M, 30 layers), said so in the log and in the result's notes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from laco_deploy.config import CompensateConfig, DataConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Budget:
+    samples: int  # calibration samples (train + validation)
+    seqlen: int  # tokens per sample
+    epochs: int
+    source: str  # "explicit" | "paper (CUDA)" | "small CPU budget"
+    note: str  # one sentence for logs, CLI and result notes
+
+
+def resolve_budget(comp: CompensateConfig, data: DataConfig, device: torch.device) -> Budget:
+    """Samples, sequence length and epochs this run will use, and why."""
+    if comp.samples is not None:
+        b = Budget(comp.samples, data.seqlen, comp.epochs, "explicit",
+                   f"calibration budget {comp.samples} x {data.seqlen} tokens, {comp.epochs} epochs (explicit)")
+    elif device.type == "cuda":
+        b = Budget(comp.gpu_samples, data.seqlen, comp.epochs, "paper (CUDA)",
+                   f"calibration budget {comp.gpu_samples} x {data.seqlen} tokens, {comp.epochs} epochs "
+                   "(the paper's 2,048 unlabeled samples, on CUDA)")
+    else:
+        b = Budget(comp.cpu_samples, data.seqlen, comp.epochs, "small CPU budget",
+                   f"using a small CPU budget: {comp.cpu_samples} x {data.seqlen} tokens, {comp.epochs} epochs "
+                   f"(the paper uses {comp.gpu_samples} samples on a GPU; pass --samples N to choose)")
+    log.info("%s", b.note)
+    return b

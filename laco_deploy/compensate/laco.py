@@ -1,0 +1,121 @@
+"""LaCo: layer-wise compensation on the shared layer engine.
+
+For each decoder layer in order, walk_layers(paths=BOTH) hands us the pruned layer, its sparse
+inputs (outputs of the already compensated layers 0..l-1) and the dense twin's outputs on the
+dense inputs. The layer is trained to reproduce those outputs (train.LayerTrainer), then the
+engine propagates its new outputs as the next layer's inputs and checkpoints it. Only the layer
+and its dense twin are on the device; activations stay in CPU RAM or on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+import torch
+
+from laco_deploy.compensate.masks import layer_masks
+from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, split_indices
+from laco_deploy.config import CompensateConfig
+from laco_deploy.engine import LayerContext, Paths, capture_layer_inputs, walk_layers
+from laco_deploy.engine.cache import ActivationCache
+from laco_deploy.memory import Measurement, current_rss_bytes, measure
+
+log = logging.getLogger(__name__)
+
+
+class SegmentMeter:
+    """Peak memory over consecutive segments (setup, layer 0, layer 1, ...), measured with
+    laco_deploy.memory.measure. measure() resets the peak counter on entry, so nested use would
+    lose the earlier peak; chaining segments keeps the overall peak = max over segments."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.base = torch.cuda.memory_allocated(device) if device.type == "cuda" else current_rss_bytes()
+        self.done: list[Measurement] = []
+        self._stack: contextlib.ExitStack | None = None
+        self._current: Measurement | None = None
+
+    def next(self) -> None:
+        """Close the running segment (if any) and start a new one."""
+        self.close()
+        self._stack = contextlib.ExitStack()
+        self._current = self._stack.enter_context(measure(self.device))
+
+    def close(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self.done.append(self._current)
+            self._stack = self._current = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((m.peak_bytes for m in self.done), default=0)
+
+    @property
+    def peak_delta_bytes(self) -> int:
+        """Peak above the footprint when the meter was created."""
+        return max(0, self.peak_bytes - self.base)
+
+
+@torch.no_grad()
+def dense_mid_cache(ctx: LayerContext) -> ActivationCache:
+    """The dense twin's residual stream after attention, for every sample. [n, seq, hidden]."""
+    cache = ctx.dense_inputs.clone_empty()
+    for start in range(0, len(cache), ctx.batch_size):
+        stop = min(start + ctx.batch_size, len(cache))
+        _, mid = layer_forward(ctx.dense_layer, ctx.dense_inputs.batch(start, stop, ctx.device), ctx.kwargs, True)
+        cache.store(start, mid)
+    return cache
+
+
+def layer_lr(cfg: CompensateConfig, index: int, num_layers: int) -> float:
+    """Learning rate of layer `index`: `lr`, decayed geometrically to lr * lr_last_factor at the last layer."""
+    if num_layers <= 1:
+        return cfg.lr
+    return cfg.lr * cfg.lr_last_factor ** (index / (num_layers - 1))
+
+
+def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
+              seed: int, meter: SegmentMeter):
+    """The per-layer step for walk_layers: fit the layer, return its record."""
+
+    def step(ctx: LayerContext) -> dict[str, Any]:
+        meter.next()
+        t0 = time.perf_counter()
+        with measure(ctx.device) as m:
+            masks = layer_masks(ctx.layer, targets)
+            mid = dense_mid_cache(ctx) if cfg.loss == "subblock" else None
+            data = LayerData(ctx.inputs, ctx.dense_targets, mid, ctx.kwargs, split[0], split[1])
+            resident = list(ctx.layer.parameters()) + list(ctx.dense_layer.parameters())
+            trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
+                                   ctx.device, seed + ctx.index, resident)
+            record = trainer.fit(ctx.progress)
+            del mid, data
+        after = layer_masks(ctx.layer, targets)
+        assert all(torch.equal(masks[k], after[k]) for k in masks), "mask changed during training"
+        record.update({"layer": ctx.index, "time_s": round(time.perf_counter() - t0, 3),
+                       "peak_mib": round(m.peak_bytes / 2**20, 1),
+                       "peak_delta_mib": round(m.peak_delta_bytes / 2**20, 1), "memory_kind": m.kind})
+        log.debug("layer %d: %s %.4g -> %.4g", ctx.index, cfg.loss, record["loss_before"], record["loss_after"])
+        return record
+
+    return step
+
+
+def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
+               device: torch.device, seed: int, checkpoint_dir, fingerprint: dict, resume: bool,
+               meter: SegmentMeter) -> list[dict]:
+    """Run LaCo over all layers of `sparse_model` in place. input_ids [n, seq]. Returns per-layer records."""
+    for m in (dense_model, sparse_model):
+        m.requires_grad_(False)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    inputs = capture_layer_inputs(sparse_model, input_ids, device, offload=cfg.offload, workdir=checkpoint_dir)
+    split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
+    step = make_step(cfg, targets, split, seed, meter)
+    records = walk_layers(sparse_model, inputs, step, paths=Paths.BOTH, device=device, dense_model=dense_model,
+                          batch_size=cfg.batch_size, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint,
+                          resume=resume, desc="LaCo")
+    return records

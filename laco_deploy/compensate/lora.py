@@ -1,0 +1,145 @@
+"""The LoRA baseline LaCo has to beat: PEFT LoRA on every pruned linear of the whole model.
+
+The whole model sits on the device and backpropagates the language-modelling loss through all
+layers, which is what makes it memory-hungry next to LaCo. After training the adapters are
+merged back under each matrix's own mask (zeros stay zeros); the record states how many zeros
+an ordinary unmasked merge would have filled in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from laco_deploy.compensate.masks import masked_merge
+from laco_deploy.compensate.train import autocast_ctx, amp_dtype, cosine_lr, split_indices
+from laco_deploy.compensate.workingset import count_saved, working_set
+from laco_deploy.config import CompensateConfig
+
+log = logging.getLogger(__name__)
+ADAPTER = "default"
+
+
+def attach_lora(model, cfg: CompensateConfig, targets: tuple[str, ...], seed: int):
+    """Wrap `model` with LoRA adapters on the `targets` linears; returns the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
+                      target_modules=list(targets))
+    return get_peft_model(model, lcfg)
+
+
+def lora_layers(peft_model) -> dict[str, Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return {n: m for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+
+
+@torch.no_grad()
+def merge_under_mask(peft_model) -> tuple[Any, dict[str, int]]:
+    """Merge each adapter into its base weight under the weight's mask; unload the adapters.
+
+    Returns (plain model, {"zeros": zeros before merge, "lost_unmasked": zeros an unmasked
+    merge would have turned non-zero, "elements": elements of the merged matrices}).
+    """
+    stats = {"zeros": 0, "lost_unmasked": 0, "elements": 0}
+    for _name, mod in lora_layers(peft_model).items():
+        base = mod.get_base_layer()
+        delta = mod.get_delta_weight(ADAPTER)  # [out, in]
+        merged, lost = masked_merge(base.weight.data, delta)
+        stats["zeros"] += int((base.weight == 0).sum())
+        stats["lost_unmasked"] += lost
+        stats["elements"] += base.weight.numel()
+        base.weight.data.copy_(merged)
+    return peft_model.unload(), stats
+
+
+def _lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of a batch. ids [b, seq]."""
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+
+@torch.no_grad()
+def _evaluate(model, ids: torch.Tensor, batch_size: int, device: torch.device) -> float:
+    total = 0.0
+    for chunk in ids.split(batch_size):
+        with autocast_ctx(device):
+            total += float(_lm_loss(model, chunk.to(device))) * len(chunk)
+    return total / max(1, len(ids))
+
+
+def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, device: torch.device,
+               seed: int) -> dict[str, Any]:
+    """Train the adapters with AdamW + cosine schedule, early stopping on held-out samples."""
+    train_idx, val_idx = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
+    watch = input_ids[val_idx] if len(val_idx) else input_ids[train_idx]
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    resident = list(peft_model.parameters())
+    peft_model.to(device)
+    peft_model.train()
+    before = _evaluate(peft_model, watch, cfg.batch_size, device)
+    best, best_state, best_epoch, bad = before, [p.detach().cpu().clone() for p in params], 0, 0
+    opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=cfg.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device) is torch.float16)
+    micro = max(1, math.ceil(len(train_idx) / cfg.batch_size))
+    total = max(1, math.ceil(micro / cfg.grad_accum)) * cfg.epochs
+    warmup, step, ws, history, epochs_run = int(total * cfg.warmup_fraction), 0, None, [], 0
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    for epoch in range(1, cfg.epochs + 1):
+        chunks = list(train_idx[torch.randperm(len(train_idx), generator=gen)].split(cfg.batch_size))
+        for k, chunk in enumerate(chunks):
+            ids = input_ids[chunk].to(device)
+            if ws is None:
+                with count_saved(resident) as meter, autocast_ctx(device):
+                    loss = _lm_loss(peft_model, ids)
+                ws = working_set(resident, params, meter.bytes, [ids])
+            else:
+                with autocast_ctx(device):
+                    loss = _lm_loss(peft_model, ids)
+            scaler.scale(loss / cfg.grad_accum).backward()
+            if (k + 1) % cfg.grad_accum == 0 or k == len(chunks) - 1:
+                for group in opt.param_groups:
+                    group["lr"] = cfg.lora_lr * cosine_lr(step, total, warmup)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                step += 1
+        epochs_run = epoch
+        val = _evaluate(peft_model, watch, cfg.batch_size, device)
+        history.append(round(val, 5))
+        if val < best:
+            best, best_state, best_epoch, bad = val, [p.detach().cpu().clone() for p in params], epoch, 0
+        else:
+            bad += 1
+            if len(val_idx) and bad >= cfg.patience:
+                break
+    with torch.no_grad():
+        for p, s in zip(params, best_state):
+            p.copy_(s.to(p.device))
+    peft_model.eval()
+    return {"lm_loss_before": round(before, 5), "lm_loss_after": round(best, 5), "epochs_run": epochs_run,
+            "best_epoch": best_epoch, "steps": step, "val_history": history, "lr": cfg.lora_lr,
+            "measured_on": "validation" if len(val_idx) else "training",
+            "trainable_params": sum(p.numel() for p in params), "train_s": round(time.perf_counter() - t0, 3),
+            "device_working_set": ws or {}}
+
+
+def compensate(model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
+               device: torch.device, seed: int) -> tuple[Any, dict[str, Any]]:
+    """LoRA-train `model` (sparse, on CPU) and merge under the mask. Returns (model on CPU, record)."""
+    model.requires_grad_(False)
+    peft_model = attach_lora(model, cfg, targets, seed)
+    record = train_lora(peft_model, input_ids, cfg, device, seed)
+    merged, stats = merge_under_mask(peft_model)
+    merged.to("cpu")
+    merged.requires_grad_(False)
+    zeros = max(1, stats["zeros"])
+    record["merge"] = {**stats, "share_of_zeros_lost_unmasked": round(stats["lost_unmasked"] / zeros, 6),
+                       "unmasked_merge_sparsity": round((stats["zeros"] - stats["lost_unmasked"]) / max(1, stats["elements"]), 6)}
+    return merged, record

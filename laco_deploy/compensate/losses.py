@@ -1,0 +1,71 @@
+"""Reconstruction losses for LaCo: pure tensor functions of predicted and target hidden states.
+
+All take `pred`, `target` of shape [batch, seq, hidden] and return a scalar, computed in fp32.
+
+Why more than plain MSE: the residual stream of LLMs carries a few massive outlier channels
+(hundreds of times the typical magnitude, on a few tokens), so the squared error is dominated by
+them. The next layer sees the stream only through RMSNorm, i.e. per token scaled by 1/rms, so
+what matters downstream is each token's error relative to its own norm.
+
+- `mse`:     mean((p - t)^2)
+- `nmse`:    mean over tokens of ||p - t||^2 / ||t||^2 (per-token normalized MSE)
+- `cos_mse`: mean over tokens of (1 - cos(p, t)) + mse(p, t) / mean(t^2)
+- `subblock`: nmse of the attention sub-block output (the residual stream after attention)
+              plus nmse of the layer output; see `subblock_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+LOSSES = ("mse", "nmse", "cos_mse", "subblock")
+EPS = 1e-8
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Plain mean squared error over all elements. [b, s, h] x2 -> scalar."""
+    return (pred.float() - target.float()).pow(2).mean()
+
+
+def nmse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token normalized MSE: mean_tokens ||p - t||^2 / ||t||^2. [b, s, h] x2 -> scalar.
+
+    Scale-free per token, so tokens with massive activations weigh as much as the others.
+    """
+    p, t = pred.float(), target.float()
+    err = (p - t).pow(2).sum(-1)  # [b, s]
+    ref = t.pow(2).sum(-1).clamp_min(EPS)  # [b, s]
+    return (err / ref).mean()
+
+
+def cos_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token cosine distance plus MSE scaled by the target's mean square. [b, s, h] x2 -> scalar.
+
+    The cosine term fixes each token's direction (what RMSNorm passes on); the MSE term, divided
+    by mean(t^2) so both terms are O(1), pins the magnitude.
+    """
+    p, t = pred.float(), target.float()
+    cos = torch.nn.functional.cosine_similarity(p, t, dim=-1, eps=EPS)  # [b, s]
+    scale = t.pow(2).mean().clamp_min(EPS).detach()
+    return (1.0 - cos).mean() + (p - t).pow(2).mean() / scale
+
+
+def subblock_loss(pred_mid: torch.Tensor, target_mid: torch.Tensor, pred_out: torch.Tensor,
+                  target_out: torch.Tensor) -> torch.Tensor:
+    """Attention and MLP sub-blocks reconstructed separately: nmse(mid) + nmse(out).
+
+    `*_mid` is the residual stream after the attention sub-block (input of the post-attention
+    norm), `*_out` the layer output; all [b, s, h]. Matching the middle gives the attention
+    projections their own target instead of leaving the MLP to absorb their error.
+    """
+    return nmse(pred_mid, target_mid) + nmse(pred_out, target_out)
+
+
+def get_loss(name: str) -> LossFn:
+    """The output-only loss for `name`; `subblock` returns nmse (its output term)."""
+    table: dict[str, LossFn] = {"mse": mse, "nmse": nmse, "cos_mse": cos_mse, "subblock": nmse}
+    return table[name]

@@ -1,0 +1,82 @@
+"""Sparsity masks taken from the pruned weights themselves, and the realised sparsity of a model.
+
+The mask of a pruned matrix is `weight != 0`: whatever pattern the pruner produced (unstructured,
+N:M, or none at all for structured shapes) is kept bit-exactly because every update is followed
+by writing +0.0 back into the masked positions.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from laco_deploy.config import PRUNABLE_LINEARS
+from laco_deploy.models import decoder_layers, linear_modules
+
+
+def weight_mask(weight: torch.Tensor) -> torch.Tensor:
+    """Surviving positions of a pruned matrix. [out, in] float -> [out, in] bool."""
+    return weight != 0
+
+
+def layer_masks(layer: torch.nn.Module, targets: Iterable[str] = PRUNABLE_LINEARS) -> dict[str, torch.Tensor]:
+    """Masks of a decoder layer's prunable linears, by module name (e.g. `self_attn.q_proj`)."""
+    return {name: weight_mask(lin.weight.detach()) for name, lin in linear_modules(layer, tuple(targets)).items()}
+
+
+@torch.no_grad()
+def apply_masks(layer: torch.nn.Module, masks: dict[str, torch.Tensor]) -> None:
+    """Write +0.0 into every masked-out weight (never -0.0: the stored bits stay those of a zero)."""
+    for name, mask in masks.items():
+        layer.get_submodule(name).weight.masked_fill_(~mask, 0.0)
+
+
+def mask_grads(layer: torch.nn.Module, masks: dict[str, torch.Tensor]) -> None:
+    """Zero the gradient of masked-out weights so optimizer moments never see them."""
+    for name, mask in masks.items():
+        grad = layer.get_submodule(name).weight.grad
+        if grad is not None:
+            grad.masked_fill_(~mask, 0.0)
+
+
+def masked_merge(weight: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Merge an update under the weight's own mask. [out, in] x2 -> (merged [out, in], lost).
+
+    `lost` counts the zeros that an unmasked merge (weight + delta) would have made non-zero.
+    """
+    mask = weight_mask(weight)
+    lost = int(((~mask) & (delta != 0)).sum())
+    merged = torch.where(mask, weight + delta.to(weight.dtype), torch.zeros((), dtype=weight.dtype, device=weight.device))
+    return merged, lost
+
+
+def model_sparsity(model, targets: Iterable[str] = PRUNABLE_LINEARS,
+                   dense_numel: dict[str, int] | None = None) -> dict:
+    """Realised sparsity over the prunable matrices of all decoder layers.
+
+    `dense_numel` (matrix name -> element count of the dense model) makes removed rows and
+    columns of structured pruning count as zeros: sparsity = 1 - nonzeros / dense elements.
+    Returns {"sparsity", "zeros", "elements", "matrices": {name: {"zeros", "numel"}}}.
+    """
+    zeros = nonzeros = original = 0
+    matrices = {}
+    for i, layer in enumerate(decoder_layers(model)):
+        for name, lin in linear_modules(layer, tuple(targets)).items():
+            key = f"model.layers.{i}.{name}"
+            w = lin.weight.detach()
+            nz = int(torch.count_nonzero(w))
+            numel = w.numel()
+            matrices[key] = {"zeros": numel - nz, "numel": numel}
+            zeros += numel - nz
+            nonzeros += nz
+            original += (dense_numel or {}).get(key, numel)
+    sparsity = 1.0 - nonzeros / original if original else 0.0
+    return {"sparsity": round(sparsity, 6), "zeros": zeros, "elements": original, "matrices": matrices}
+
+
+def dense_numel(model, targets: Iterable[str] = PRUNABLE_LINEARS) -> dict[str, int]:
+    """Element count of each prunable matrix of a (dense) model, keyed like `model_sparsity`."""
+    return {f"model.layers.{i}.{name}": lin.weight.numel()
+            for i, layer in enumerate(decoder_layers(model))
+            for name, lin in linear_modules(layer, tuple(targets)).items()}

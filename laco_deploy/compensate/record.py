@@ -1,0 +1,90 @@
+"""What a compensation run writes about itself: config.json summary, sparsity.json, the result record."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from laco_deploy.artifacts import ModelDirResult
+from laco_deploy.config import CompensateConfig, to_dict
+
+MIB = 2**20
+
+
+def pattern_label(info: dict[str, Any]) -> str:
+    """"unstructured 50%", "2:4", "structured 30%" from the pruned config's `laco_deploy` dict."""
+    pattern = info.get("pattern")
+    target = info.get("target_sparsity", info.get("sparsity"))
+    if pattern in ("unstructured", "structured") and target is not None:
+        return f"{pattern} {float(target):.0%}"
+    return str(pattern or "unknown")
+
+
+def config_summary(info: dict[str, Any], cfg: CompensateConfig, budget, sparsity: float) -> dict[str, Any]:
+    """The pruned model's `laco_deploy` dict, moved to stage "compensate" with this run's settings."""
+    out = dict(info)
+    out.update({"stage": "compensate", "prune_method": info.get("method"), "method": cfg.method,
+                "samples": budget.samples, "seqlen": budget.seqlen, "epochs": cfg.epochs, "sparsity": sparsity})
+    if cfg.method == "laco":
+        out.update({"loss": cfg.loss, "lr": cfg.lr, "train_norms": cfg.train_norms})
+    else:
+        out.update({"loss": "lm", "lora_rank": cfg.lora_rank, "lora_lr": cfg.lora_lr, "merge": "under mask"})
+    return out
+
+
+def sparsity_document(pruned_doc: Path, before: dict, after: dict, cfg: CompensateConfig) -> dict[str, Any]:
+    """The pruned `sparsity.json` (kept as is) plus a `compensate` section re-measured after training."""
+    doc = json.loads(pruned_doc.read_text()) if pruned_doc.is_file() else {}
+    changed = [k for k, m in after["matrices"].items() if m["zeros"] != before["matrices"].get(k, {}).get("zeros")]
+    doc["compensate"] = {
+        "method": cfg.method,
+        "sparsity_before": before["sparsity"], "sparsity_after": after["sparsity"],
+        "zeros_before": before["zeros"], "zeros_after": after["zeros"], "elements": after["elements"],
+        "matrices_with_changed_zero_count": changed,
+    }
+    return doc
+
+
+def _max_working_set(records: list[dict]) -> dict[str, int]:
+    sets = [r.get("device_working_set") or {} for r in records]
+    return max(sets, key=lambda s: s.get("total", 0), default={})
+
+
+def memory_summary(records: list[dict], lora_record: dict | None, meter, device) -> dict[str, Any]:
+    ws = (lora_record or {}).get("device_working_set") or _max_working_set(records)
+    return {
+        "memory_kind": "cuda_max_allocated" if device.type == "cuda" else "rss",
+        "peak_mib": round(meter.peak_bytes / MIB, 1),
+        "peak_delta_mib": round(meter.peak_delta_bytes / MIB, 1),
+        "device_working_set_mib": {k: round(v / MIB, 2) for k, v in ws.items()},
+    }
+
+
+def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, before: dict, after: dict,
+                  records: list[dict], lora_record: dict | None, meter, wall: float, device) -> ModelDirResult:
+    mem = memory_summary(records, lora_record, meter, device)
+    notes = [budget.note]
+    same = after["zeros"] >= before["zeros"] and not [k for k in after["matrices"]
+                                                     if after["matrices"][k]["zeros"] < before["matrices"][k]["zeros"]]
+    notes.append(f"sparsity {before['sparsity']:.6f} before, {after['sparsity']:.6f} after"
+                 + (" (every zero kept)" if same else " (ZEROS LOST: report this as a bug)"))
+    ws = mem["device_working_set_mib"].get("total")
+    notes.append(f"peak memory {mem['peak_mib']} MiB ({mem['memory_kind']}), +{mem['peak_delta_mib']} MiB over the footprint "
+                 f"at entry; device working set {ws} MiB (params + grads + AdamW state + saved activations + batch)")
+    if records:
+        nb = sum(r["nmse_before"] for r in records) / len(records)
+        na = sum(r["nmse_after"] for r in records) / len(records)
+        notes.append(f"mean layer nmse {nb:.4g} -> {na:.4g} ({records[0]['measured_on']} samples)")
+    if lora_record:
+        m = lora_record["merge"]
+        notes.append(f"LoRA merged under the mask; an unmasked merge would have filled {m['share_of_zeros_lost_unmasked']:.1%} "
+                     f"of the zeros (sparsity {m['unmasked_merge_sparsity']:.4f} instead of {after['sparsity']:.4f})")
+    settings = {"compensate": to_dict(cfg), "budget": {"samples": budget.samples, "seqlen": budget.seqlen,
+                "epochs": budget.epochs, "source": budget.source}, "memory": mem,
+                "sparsity_before": before["sparsity"], "device": str(device)}
+    if lora_record:
+        settings["lora"] = lora_record
+    return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info),
+                          settings=settings, per_layer=records, wall_s=round(wall, 3), peak_mib=mem["peak_mib"],
+                          memory_kind=mem["memory_kind"], notes=notes)

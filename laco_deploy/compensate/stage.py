@@ -1,0 +1,131 @@
+"""The compensate stage: load dense + pruned models, run LaCo (or the LoRA baseline), write a HF dir.
+
+Lifecycle only: budget resolution (budget.py), the layer loop (laco.py), the LoRA baseline
+(lora.py) and the training math (train.py, losses.py, masks.py) live next door.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laco_deploy import data as data_mod
+from laco_deploy.artifacts import ModelDirResult
+from laco_deploy.compensate import laco, lora
+from laco_deploy.compensate.budget import Budget, resolve_budget
+from laco_deploy.compensate.masks import dense_numel, model_sparsity
+from laco_deploy.compensate.record import config_summary, result_record, sparsity_document
+from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
+from laco_deploy.errors import ConfigError, ModelError
+from laco_deploy.fsutil import atomic_dir
+from laco_deploy.models import load_model, resolve_device, save_model
+
+log = logging.getLogger(__name__)
+SPARSITY_FILE = "sparsity.json"
+
+
+def checkpoint_dir(out_dir: Path) -> Path:
+    return Path(out_dir).with_name(Path(out_dir).name + ".ckpt")
+
+
+def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path) -> None:
+    errors = model_cfg.validate() + data_cfg.validate() + comp_cfg.validate()
+    if errors:
+        raise ConfigError("; ".join(errors))
+    if not sparse_dir.is_dir() or not (sparse_dir / "config.json").is_file():
+        raise ModelError(f"pruned model directory {sparse_dir} not found (no config.json there); "
+                         "run `laco-deploy prune --out DIR` first and pass that DIR as --sparse")
+
+
+def check_compatible(dense_cfg: Any, sparse_cfg: Any, dense_dir: str, sparse_dir: Path) -> None:
+    """The pruned model must come from the dense one: same family, depth, width and vocabulary."""
+    keys = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+    diff = [f"{k} {getattr(dense_cfg, k, None)} vs {getattr(sparse_cfg, k, None)}" for k in keys
+            if getattr(dense_cfg, k, None) != getattr(sparse_cfg, k, None)]
+    if diff:
+        raise ModelError(f"dense model {dense_dir} and pruned model {sparse_dir} do not match ({'; '.join(diff)}); "
+                         "pass as --dense the model that was pruned into --sparse")
+
+
+def _check_shapes(dense, sparse, targets: tuple[str, ...], sparse_dir: Path) -> None:
+    numel = dense_numel(dense, targets)
+    for key, mat in model_sparsity(sparse, targets)["matrices"].items():
+        if mat["numel"] > numel.get(key, -1):
+            raise ModelError(f"{sparse_dir}: {key} is larger than in the dense model; "
+                             "pass as --dense the model that was pruned into --sparse")
+
+
+def _prune_info(sparse_cfg: Any) -> dict[str, Any]:
+    info = getattr(sparse_cfg, "laco_deploy", None)
+    return dict(info) if isinstance(info, dict) else {}
+
+
+def _fingerprint(model_cfg, data_cfg, comp_cfg, budget: Budget, sparse_dir: Path) -> dict:
+    """What must match for --resume: sources (config + weight file sizes/times), data, settings."""
+    weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sparse_dir.glob("*.safetensors"))
+    fp = {"stage": "compensate", "dense": model_cfg.model, "sparse": str(sparse_dir.resolve()),
+          "sparse_config": (sparse_dir / "config.json").read_text(), "sparse_weights": weights,
+          "data": {"calib": data_cfg.calib, "seed": data_cfg.seed}, "budget": to_dict(budget),
+          "compensate": to_dict(comp_cfg)}
+    return json.loads(json.dumps(fp))
+
+
+def _copy_only(sparse_dir: Path, out_dir: Path, comp_cfg: CompensateConfig) -> ModelDirResult:
+    """method none: the pruned directory, copied unchanged."""
+    t0 = time.perf_counter()
+    with atomic_dir(out_dir) as tmp:
+        shutil.copytree(sparse_dir, tmp, dirs_exist_ok=True)
+    doc = json.loads((sparse_dir / SPARSITY_FILE).read_text()) if (sparse_dir / SPARSITY_FILE).is_file() else {}
+    cfg = json.loads((sparse_dir / "config.json").read_text()).get("laco_deploy", {})
+    return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=float(cfg.get("sparsity", 0.0)),
+                          pattern=str(doc.get("label", cfg.get("pattern", ""))), settings={"compensate": to_dict(comp_cfg)},
+                          wall_s=round(time.perf_counter() - t0, 3), notes=["method none: pruned model copied unchanged"])
+
+
+def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path, out_dir: Path, *,
+        resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
+    """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`."""
+    sparse_dir, out_dir = Path(sparse_dir), Path(out_dir)
+    _validate(model_cfg, data_cfg, comp_cfg, sparse_dir)
+    if comp_cfg.method == "none":
+        return _copy_only(sparse_dir, out_dir, comp_cfg)
+    device = device if device is not None else resolve_device(model_cfg.device)
+    budget = resolve_budget(comp_cfg, data_cfg, device)
+    log.info("compensate settings: %s; device %s", to_dict(comp_cfg), device)
+    dense = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code)
+    sparse = load_model(str(sparse_dir))
+    check_compatible(dense.model.config, sparse.model.config, model_cfg.model, sparse_dir)
+    info = _prune_info(sparse.model.config)
+    targets = tuple(info.get("targets") or PRUNABLE_LINEARS)
+    _check_shapes(dense.model, sparse.model, targets, sparse_dir)
+    numel = dense_numel(dense.model, targets)
+    before = model_sparsity(sparse.model, targets, numel)
+    ids = data_mod.calibration_samples(sparse.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
+    ckpt = checkpoint_dir(out_dir)
+    meter = laco.SegmentMeter(device)
+    meter.next()
+    t0 = time.perf_counter()
+    if comp_cfg.method == "laco":
+        fp = _fingerprint(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
+        records = laco.compensate(dense.model, sparse.model, ids, comp_cfg, targets, device=device, seed=data_cfg.seed,
+                                  checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter)
+        model, summary = sparse.model, None
+    else:
+        del dense
+        model, summary = lora.compensate(sparse.model, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
+        records = []
+    meter.close()
+    wall = time.perf_counter() - t0
+    after = model_sparsity(model, targets, numel)
+    model.config.laco_deploy = config_summary(info, comp_cfg, budget, after["sparsity"])
+    doc = sparsity_document(sparse_dir / SPARSITY_FILE, before, after, comp_cfg)
+    save_model(model, sparse.tokenizer, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+    shutil.rmtree(ckpt, ignore_errors=True)
+    log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
+    return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device)

@@ -1,0 +1,214 @@
+"""Train one pruned decoder layer to reproduce its dense twin's output (the LaCo step's math loop).
+
+Inputs are the sparse-path hidden states of the layer, targets the dense path's; both stay in
+their ActivationCache (CPU or disk) and only one batch at a time goes to the device. The
+surviving weights are trained with AdamW under a cosine schedule; after every update the
+masked positions are set back to +0.0, so the sparsity pattern never changes. Early stopping
+watches a held-out slice of the samples and the best state (the untouched layer included) is
+kept, so a layer never leaves worse than it came on held-out data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from laco_deploy.compensate import losses
+from laco_deploy.compensate.masks import apply_masks, mask_grads
+from laco_deploy.compensate.workingset import count_saved, working_set
+from laco_deploy.config import CompensateConfig
+from laco_deploy.engine.cache import ActivationCache
+
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+
+
+@dataclass
+class LayerData:
+    """One layer's training data: caches are [samples, seq, hidden] on CPU or disk."""
+
+    inputs: ActivationCache  # sparse-path inputs
+    targets: ActivationCache  # dense layer outputs on dense inputs
+    mid_targets: ActivationCache | None  # dense residual stream after attention (subblock loss)
+    kwargs: dict[str, Any]  # layer call arguments, on the device
+    train_idx: torch.Tensor  # [n_train] sample indices
+    val_idx: torch.Tensor  # [n_val], may be empty
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded train/validation split of n samples; validation gets floor(n * fraction), >=1 if >0."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = min(n - 1, max(1, int(n * val_fraction))) if val_fraction > 0 and n > 1 else 0
+    return perm[n_val:].sort().values, perm[:n_val].sort().values
+
+
+def amp_dtype(device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA when supported, else fp16; fp32 (None) on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def autocast_ctx(device: torch.device):
+    dtype = amp_dtype(device)
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def layer_forward(layer, hidden: torch.Tensor, kwargs: dict, want_mid: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run a decoder layer; optionally return the residual stream after attention too.
+
+    hidden [b, s, h] -> (out [b, s, h], mid [b, s, h] or None). `mid` is the input of the
+    post-attention norm, caught by a pre-hook (same module layout in Llama, Mistral, Qwen2).
+    """
+    caught: list[torch.Tensor] = []
+    handle = None
+    if want_mid:
+        handle = layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, args: caught.append(args[0]))
+    try:
+        out = layer(hidden, **kwargs)
+    finally:
+        if handle is not None:
+            handle.remove()
+    out = out[0] if isinstance(out, tuple) else out
+    return out, (caught[0] if caught else None)
+
+
+def trainable_parameters(layer, masks: dict[str, torch.Tensor], train_norms: bool) -> list[torch.nn.Parameter]:
+    """Surviving weights (and biases) of the pruned linears, plus norm scales if asked."""
+    params = []
+    for name in masks:
+        lin = layer.get_submodule(name)
+        params.append(lin.weight)
+        if lin.bias is not None:
+            params.append(lin.bias)
+    if train_norms:
+        params.extend(getattr(layer, n).weight for n in NORM_NAMES if hasattr(layer, n))
+    return params
+
+
+def cosine_lr(step: int, total: int, warmup: int) -> float:
+    """LR multiplier: linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class LayerTrainer:
+    """Fits one layer in place. `fit()` returns the per-layer record (errors, steps, working set)."""
+
+    def __init__(self, layer, data: LayerData, masks: dict[str, torch.Tensor], cfg: CompensateConfig,
+                 lr: float, device: torch.device, seed: int, resident: list[torch.Tensor]):
+        self.layer, self.data, self.masks, self.cfg = layer, data, masks, cfg
+        self.lr, self.device, self.seed, self.resident = lr, device, seed, resident
+        self.subblock = cfg.loss == "subblock"
+        self.loss_fn = losses.get_loss(cfg.loss)
+        self.params = trainable_parameters(layer, masks, cfg.train_norms)
+
+    def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        d, dev = self.data, self.device
+        x = d.inputs.data[idx].to(dev, non_blocking=True)
+        t = d.targets.data[idx].to(dev, non_blocking=True)
+        m = d.mid_targets.data[idx].to(dev, non_blocking=True) if self.subblock else None
+        return x, t, m
+
+    def _loss(self, x, t, m) -> torch.Tensor:
+        with autocast_ctx(self.device):
+            out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
+        if self.subblock:
+            return losses.subblock_loss(mid, m, out, t)
+        return self.loss_fn(out, t)
+
+    @torch.no_grad()
+    def evaluate(self, idx: torch.Tensor) -> dict[str, float]:
+        """Mean training loss, nmse and mse of the layer output over the samples `idx`."""
+        sums = {"loss": 0.0, "nmse": 0.0, "mse": 0.0}
+        for chunk in idx.split(self.cfg.batch_size):
+            x, t, m = self._batch(chunk)
+            with autocast_ctx(self.device):
+                out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
+            loss = losses.subblock_loss(mid, m, out, t) if self.subblock else self.loss_fn(out, t)
+            w = len(chunk)
+            sums["loss"] += float(loss) * w
+            sums["nmse"] += float(losses.nmse(out, t)) * w
+            sums["mse"] += float(losses.mse(out, t)) * w
+        return {k: v / max(1, len(idx)) for k, v in sums.items()}
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().to("cpu", copy=True) for p in self.params]
+
+    @torch.no_grad()
+    def _restore(self, snap: list[torch.Tensor]) -> None:
+        for p, s in zip(self.params, snap):
+            p.copy_(s.to(p.device))
+
+    def fit(self, progress: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
+        cfg, d = self.cfg, self.data
+        torch.manual_seed(self.seed)
+        gen = torch.Generator().manual_seed(self.seed)
+        watch = d.val_idx if len(d.val_idx) else d.train_idx
+        before = self.evaluate(watch)
+        best_val, best_state, best_epoch, bad = before["loss"], self._snapshot(), 0, 0
+        for p in self.layer.parameters():
+            p.requires_grad_(False)
+        for p in self.params:
+            p.requires_grad_(True)
+        opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=cfg.weight_decay)
+        fp16 = amp_dtype(self.device) is torch.float16
+        scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
+        micro = max(1, math.ceil(len(d.train_idx) / cfg.batch_size))
+        steps_per_epoch = max(1, math.ceil(micro / cfg.grad_accum))
+        total = steps_per_epoch * cfg.epochs
+        warmup = int(total * cfg.warmup_fraction)
+        step, epochs_run, ws = 0, 0, None
+        t0 = time.perf_counter()
+        history = []
+        for epoch in range(1, cfg.epochs + 1):
+            order = d.train_idx[torch.randperm(len(d.train_idx), generator=gen)]
+            chunks = list(order.split(cfg.batch_size))
+            for k, chunk in enumerate(chunks):
+                batch = self._batch(chunk)
+                if ws is None:
+                    with count_saved(self.resident) as meter:
+                        loss = self._loss(*batch)
+                    ws = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])
+                else:
+                    loss = self._loss(*batch)
+                scaler.scale(loss / cfg.grad_accum).backward()
+                if (k + 1) % cfg.grad_accum == 0 or k == len(chunks) - 1:
+                    for group in opt.param_groups:
+                        group["lr"] = self.lr * cosine_lr(step, total, warmup)
+                    mask_grads(self.layer, self.masks)
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad(set_to_none=True)
+                    apply_masks(self.layer, self.masks)
+                    step += 1
+            epochs_run = epoch
+            val = self.evaluate(watch)["loss"]
+            history.append(round(val, 6))
+            progress(f"epoch {epoch} val {val:.4g} (start {before['loss']:.4g})")
+            if val < best_val:
+                best_val, best_state, best_epoch, bad = val, self._snapshot(), epoch, 0
+            else:
+                bad += 1
+                if len(d.val_idx) and bad >= cfg.patience:
+                    break
+        self._restore(best_state)
+        for p in self.params:
+            p.requires_grad_(False)
+        del opt
+        after = self.evaluate(watch)
+        return {
+            "loss_before": before["loss"], "loss_after": after["loss"],
+            "nmse_before": before["nmse"], "nmse_after": after["nmse"],
+            "mse_before": before["mse"], "mse_after": after["mse"],
+            "measured_on": "validation" if len(d.val_idx) else "training",
+            "epochs_run": epochs_run, "best_epoch": best_epoch, "steps": step, "lr": self.lr,
+            "val_history": history, "train_s": round(time.perf_counter() - t0, 3),
+            "device_working_set": ws or {},
+        }

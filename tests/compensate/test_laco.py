@@ -1,0 +1,132 @@
+"""LaCo on tiny models: the mask survives bit-exactly, errors and KL go down, resume == uninterrupted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from laco_deploy.compensate import laco, run
+from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
+from laco_deploy.data import evaluation_windows
+from laco_deploy.models import load_model
+
+DATA = DataConfig(samples=16, seqlen=32, seed=0)
+
+
+def _cfg(**kw) -> CompensateConfig:
+    base = {"samples": 16, "epochs": 3, "batch_size": 4, "lr": 1e-3}
+    base.update(kw)
+    return CompensateConfig(**base)
+
+
+def _weights(d: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_same_pattern(pruned: Path, comp: Path) -> None:
+    a, b = _weights(pruned), _weights(comp)
+    assert a.keys() == b.keys()
+    changed = 0
+    for k in a:
+        assert a[k].shape == b[k].shape, k
+        if k.endswith("proj.weight"):
+            za, zb = a[k] == 0, b[k] == 0
+            assert torch.equal(za, zb), f"{k}: zero pattern changed"
+            assert not torch.signbit(b[k][zb]).any(), f"{k}: -0.0 written"
+            changed += int(not torch.equal(a[k], b[k]))
+    assert changed > 0, "no weight was trained"
+
+
+@pytest.mark.parametrize("fixture", ["sparse_unstructured_dir", "sparse_24_dir", "sparse_structured_dir"])
+def test_mask_preserved_exactly(request, tiny_llama_dir, tmp_path, fixture):
+    sparse = request.getfixturevalue(fixture)
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=2), sparse, tmp_path / "out")
+    _assert_same_pattern(sparse, tmp_path / "out")
+    assert res.sparsity == res.settings["sparsity_before"] > 0
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["laco_deploy"]["stage"] == "compensate" and cfg["laco_deploy"]["method"] == "laco"
+    assert cfg["laco_deploy"]["prune_method"] == "magnitude"
+    doc = json.loads((tmp_path / "out" / "sparsity.json").read_text())
+    assert doc["stage"] == "prune" and doc["compensate"]["matrices_with_changed_zero_count"] == []
+    if fixture == "sparse_24_dir":
+        w = _weights(tmp_path / "out")["model.layers.0.mlp.up_proj.weight"]
+        assert ((w != 0).view(w.shape[0], -1, 4).sum(-1) <= 2).all()
+    if fixture == "sparse_structured_dir":
+        assert cfg["laco_layer_widths"][0]["intermediate_size"] == 96
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def _mean_kl(dense_dir: Path, cand_dir: Path) -> float:
+    dense, cand = load_model(str(dense_dir)), load_model(str(cand_dir))
+    ids = evaluation_windows(dense.tokenizer, "builtin", 4, 32)
+    with torch.no_grad():
+        lp = torch.log_softmax(dense.model(ids).logits, -1)
+        lq = torch.log_softmax(cand.model(ids).logits, -1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
+def test_lowers_layer_error_and_final_kl(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=4), sparse_unstructured_dir, tmp_path / "out")
+    assert len(res.per_layer) == 2
+    for rec in res.per_layer:
+        assert rec["nmse_after"] < rec["nmse_before"]
+        assert rec["measured_on"] == "validation"
+        assert rec["device_working_set"]["total"] > 0 and rec["time_s"] > 0
+    kl_pruned = _mean_kl(tiny_llama_dir, sparse_unstructured_dir)
+    kl_comp = _mean_kl(tiny_llama_dir, tmp_path / "out")
+    assert kl_comp < kl_pruned
+    assert res.settings["memory"]["device_working_set_mib"]["total"] > 0
+
+
+@pytest.mark.parametrize("loss", ["mse", "cos_mse", "subblock"])
+def test_other_losses_train(tiny_llama_dir, sparse_unstructured_dir, tmp_path, loss):
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(loss=loss, epochs=2, train_norms=loss == "subblock"),
+              sparse_unstructured_dir, tmp_path / "out")
+    assert all(r["loss_after"] < r["loss_before"] for r in res.per_layer)
+    _assert_same_pattern(sparse_unstructured_dir, tmp_path / "out")
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def test_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
+    mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=2)
+    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "full")
+
+    real_fit = laco.LayerTrainer.fit
+
+    def fit_then_die(self, *a, **kw):
+        if self.seed == DATA.seed + 1:  # layer 1: layer 0 is already checkpointed
+            raise _Killed("simulated kill")
+        return real_fit(self, *a, **kw)
+
+    monkeypatch.setattr(laco.LayerTrainer, "fit", fit_then_die)
+    with pytest.raises(_Killed):
+        run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed")
+    assert (tmp_path / "resumed.ckpt" / "layer_000.safetensors").is_file()
+    assert not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(laco.LayerTrainer, "fit", real_fit)
+    res = run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed", resume=True)
+    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
+    assert full.keys() == resumed.keys()
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+    assert len(res.per_layer) == 2
+
+
+def test_resume_with_other_settings_is_refused(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
+    from laco_deploy.errors import ConfigError
+
+    monkeypatch.setattr(laco.LayerTrainer, "fit", lambda self, *a, **k: (_ for _ in ()).throw(_Killed("x")))
+    with pytest.raises(_Killed):
+        run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(), sparse_unstructured_dir, tmp_path / "o")
+    with pytest.raises(ConfigError, match="other settings"):
+        run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(lr=5e-4), sparse_unstructured_dir, tmp_path / "o", resume=True)

@@ -1,0 +1,108 @@
+"""The loss, mask, schedule and accounting math on tiny tensors, against the formulas."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from laco_deploy.compensate import losses
+from laco_deploy.compensate.budget import resolve_budget
+from laco_deploy.compensate.masks import apply_masks, masked_merge, weight_mask
+from laco_deploy.compensate.train import cosine_lr, split_indices
+from laco_deploy.compensate.workingset import count_saved, working_set
+from laco_deploy.config import CompensateConfig, DataConfig
+
+
+def _pair(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(2, 3, 5, generator=g)
+    return t + 0.1 * torch.randn(2, 3, 5, generator=g), t
+
+
+def test_mse_and_nmse_match_formulas():
+    p, t = _pair()
+    assert torch.allclose(losses.mse(p, t), ((p - t) ** 2).sum() / p.numel())
+    manual = sum(((p[b, s] - t[b, s]) ** 2).sum() / (t[b, s] ** 2).sum() for b in range(2) for s in range(3)) / 6
+    assert torch.allclose(losses.nmse(p, t), manual)
+
+
+def test_nmse_is_per_token_scale_free_but_mse_is_not():
+    p, t = _pair(1)
+    p2, t2 = p.clone(), t.clone()
+    p2[0, 0] *= 1000.0  # a massive-activation token
+    t2[0, 0] *= 1000.0
+    assert torch.allclose(losses.nmse(p2, t2), losses.nmse(p, t), rtol=1e-4)
+    assert losses.mse(p2, t2) > 1000 * losses.mse(p, t)
+
+
+def test_cos_mse_formula_and_zero_at_target():
+    p, t = _pair(2)
+    cos = (p * t).sum(-1) / (p.norm(dim=-1) * t.norm(dim=-1))
+    expected = (1 - cos).mean() + ((p - t) ** 2).mean() / (t ** 2).mean()
+    assert torch.allclose(losses.cos_mse(p, t), expected, atol=1e-6)
+    assert losses.cos_mse(t, t).abs() < 1e-6
+
+
+def test_subblock_sums_both_parts():
+    p, t = _pair(3)
+    q, u = _pair(4)
+    assert torch.allclose(losses.subblock_loss(p, t, q, u), losses.nmse(p, t) + losses.nmse(q, u))
+    with pytest.raises(KeyError):
+        losses.get_loss("l1")
+
+
+def test_masks_keep_positive_zero_bits():
+    w = torch.tensor([[1.0, 0.0, -2.0], [0.0, 3.0, 0.0]])
+    mask = weight_mask(w)
+    lin = torch.nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[5.0, -7.0, 1.0], [-1.0, 2.0, -3.0]]))
+    holder = torch.nn.Module()
+    holder.proj = lin
+    apply_masks(holder, {"proj": mask})
+    assert torch.equal(lin.weight != 0, mask)
+    zeros = lin.weight[~mask]
+    assert not torch.signbit(zeros).any()  # +0.0, bit-identical to the pruned zeros
+
+
+def test_masked_merge_counts_lost_zeros():
+    w = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    delta = torch.tensor([[0.5, 0.25], [0.0, -1.0]])
+    merged, lost = masked_merge(w, delta)
+    assert torch.equal(merged, torch.tensor([[1.5, 0.0], [0.0, 1.0]]))
+    assert lost == 1  # only position (0, 1): a zero that the delta would have filled
+
+
+def test_cosine_schedule_and_split():
+    assert cosine_lr(0, 100, 10) == pytest.approx(0.1)
+    assert cosine_lr(10, 100, 10) == pytest.approx(1.0)
+    assert cosine_lr(55, 100, 10) == pytest.approx(0.5)
+    assert cosine_lr(100, 100, 10) == pytest.approx(0.0, abs=1e-12)
+    tr, va = split_indices(16, 0.125, 0)
+    assert len(va) == 2 and len(tr) == 14 and set(tr.tolist()).isdisjoint(va.tolist())
+    assert torch.equal(split_indices(16, 0.125, 0)[1], va)
+    assert len(split_indices(16, 0.0, 0)[1]) == 0
+
+
+def test_saved_activation_count_excludes_parameters():
+    lin = torch.nn.Linear(8, 4, bias=False)
+    x = torch.randn(3, 8, requires_grad=False)
+    with count_saved(lin.parameters()) as meter:
+        y = torch.relu(lin(x))
+    # linear saves x (3*8 floats); relu saves its output (3*4 floats); the weight is not counted
+    assert meter.bytes == (3 * 8 + 3 * 4) * 4
+    ws = working_set(list(lin.parameters()), list(lin.parameters()), meter.bytes, [x])
+    assert ws["optimizer"] == 2 * ws["grads"] == 2 * 32 * 4
+    assert ws["total"] == sum(v for k, v in ws.items() if k != "total")
+    y.sum().backward()
+
+
+def test_budget_resolution_in_one_place():
+    data = DataConfig(seqlen=128)
+    cpu = resolve_budget(CompensateConfig(), data, torch.device("cpu"))
+    assert cpu.samples == CompensateConfig.cpu_samples and "small CPU budget" in cpu.note
+    gpu = resolve_budget(CompensateConfig(), data, torch.device("cuda"))
+    assert gpu.samples == 2048 and gpu.seqlen == 128
+    explicit = resolve_budget(CompensateConfig(samples=7), data, torch.device("cuda"))
+    assert explicit.samples == 7 and explicit.source == "explicit"
