@@ -1,0 +1,239 @@
+"""ONNX export of a Hugging Face decoder with KV cache, checked against PyTorch in onnxruntime.
+
+    export(model_dir, out_dir, "fp32" | "fp16" | "int8", sparse_storage=False) -> ExportResult
+
+The output folder is laid out like optimum's ONNX exports, so `ORTModelForCausalLM` can open it:
+
+    model.onnx               graph + weights (one file while the weights stay under 2 GB)
+    model.onnx_data          all weights, only when they exceed protobuf's 2 GB limit
+    model.sparse.safetensors (with sparse storage) compact weights; see exporters.onnx_sparse
+    config.json, generation_config.json, tokenizer files
+
+optimum-onnx requires transformers < 5, so the graph comes from torch.onnx (exporters.onnx_graph)
+with optimum's names; laco_deploy.bench.onnxrt.OrtDecoder is the matching generate loop.
+Types: fp32; fp16 (weights, activations and the KV cache in half precision, logits fp16);
+int8 (MatMul weights int8 per output channel, symmetric, activations quantized on the fly by
+onnxruntime's dynamic quantization; embeddings, norms and the KV cache stay fp32).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from laco_deploy.artifacts import ExportResult
+from laco_deploy.config import ONNX_TYPES
+from laco_deploy.errors import ExportError, LacoError
+from laco_deploy.fsutil import atomic_dir
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx_data"
+EXTERNAL_DATA_BYTES = 2**31 - 2**26  # weights above this (2 GB less headroom) go to DATA_FILE
+PARITY_PREFILL, PARITY_DECODE = 128, 16  # evaluation tokens prefilled, then decoded one by one
+GREEDY_PROMPT, GREEDY_NEW = 16, 16  # prompt tokens and greedily generated tokens compared
+_COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+           "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool = False,
+           metadata: dict | None = None) -> ExportResult:
+    """Export `model_dir` to the folder `out_dir` (written atomically) and check it in onnxruntime."""
+    t0 = time.perf_counter()
+    model_dir, out_dir, quant = Path(model_dir), Path(out_dir), str(quant).lower()
+    _check_request(model_dir, out_dir, quant)
+    model, tokenizer, config = _load(model_dir)
+    notes: list[str] = []
+    with atomic_dir(out_dir) as tmp:
+        proto = _build_graph(model, quant, tmp, notes)
+        _add_metadata(proto, config, quant, sparse_storage, metadata)
+        dense_bytes = _save(proto, tmp / MODEL_FILE)
+        checks: dict[str, Any] = {"onnx_checker": _run_checker(tmp / MODEL_FILE)}
+        if sparse_storage:
+            checks["storage"] = _store_sparse(proto, tmp, dense_bytes, notes)
+        del proto
+        _copy_side_files(model_dir, tmp, tokenizer)
+        checks.update(_parity(model, tokenizer, tmp))
+        size = model_bytes(tmp)
+    if getattr(config, "laco_layer_widths", None):
+        ffn = sorted({w["intermediate_size"] for w in config.laco_layer_widths})
+        notes.append(f"structured widths exported: FFN sizes {ffn} (dense {config.intermediate_size})")
+    return ExportResult(target="onnx", quant=quant, path=str(out_dir), size_bytes=size, checks=checks, notes=notes,
+                        wall_s=round(time.perf_counter() - t0, 2))
+
+
+def model_bytes(folder: Path) -> int:
+    """Bytes of the files holding the graph and weights (tokenizer and configs not counted)."""
+    from exporters.onnx_sparse import SPARSE_FILE
+
+    return sum((folder / n).stat().st_size for n in (MODEL_FILE, DATA_FILE, SPARSE_FILE) if (folder / n).is_file())
+
+
+def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
+    from laco_deploy.models import SUPPORTED_ARCHITECTURES
+
+    if quant not in ONNX_TYPES:
+        raise ExportError(f"ONNX type {quant!r} is not supported; choose one of {', '.join(ONNX_TYPES)} (--quant)")
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json); pass a folder written by prune/compensate, or 'default'")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{cfg_file} is not valid JSON ({e.msg}); re-save the model") from e
+    archs = raw.get("architectures") or [raw.get("model_type")]
+    if not any(a in SUPPORTED_ARCHITECTURES or a in SUPPORTED_ARCHITECTURES.values() for a in archs):
+        raise ExportError(f"cannot export architecture {', '.join(map(str, archs))} to ONNX; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if out_dir.is_file():
+        raise ExportError(f"--out {out_dir} is a file; the ONNX export writes a folder: pass a folder path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MODEL_FILE).is_file():
+        raise ExportError(f"--out {out_dir} is a non-empty folder that is not an ONNX export; refusing to replace it: choose another --out")
+
+
+def _load(model_dir: Path):
+    from laco_deploy.models import load_model
+
+    try:
+        loaded = load_model(str(model_dir))
+    except LacoError as e:
+        raise ExportError(f"cannot export {model_dir}: {e}") from e
+    return loaded.model.float().eval(), loaded.tokenizer, loaded.model.config
+
+
+def _build_graph(model, quant: str, tmp: Path, notes: list[str]):
+    """Trace the model in the requested precision -> onnx.ModelProto (int8: quantized)."""
+    import copy
+
+    from exporters.onnx_graph import trace
+
+    traced = copy.deepcopy(model).half() if quant == "fp16" else model
+    try:
+        proto = trace(traced)
+    except Exception as e:  # torch.export raises many internal error types
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise ExportError(f"torch.onnx.export failed for {type(model).__name__} ({first}); "
+                          "check the model loads in transformers and report the architecture") from e
+    finally:
+        del traced
+    if quant == "int8":
+        proto = _quantize_int8(proto, tmp, notes)
+    return proto
+
+
+def _quantize_int8(proto, tmp: Path, notes: list[str]):
+    """Dynamic int8 quantization of constant-weight MatMuls (per output channel, symmetric)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    work = Path(tempfile.mkdtemp(prefix=".int8.", dir=tmp))
+    try:
+        big = _weight_bytes(proto) > EXTERNAL_DATA_BYTES
+        _save(proto, work / "fp32.onnx")
+        quantize_dynamic(work / "fp32.onnx", work / "int8.onnx", weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"], use_external_data_format=big)
+        out = onnx.load(str(work / "int8.onnx"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    kinds = [n.op_type for n in out.graph.node]
+    notes.append(f"int8: {kinds.count('MatMulInteger')} MatMul weights quantized to int8 per channel "
+                 f"(dynamic activation quantization); {kinds.count('MatMul')} activation-only or tied-embedding MatMuls stay float")
+    return out
+
+
+def _weight_bytes(proto) -> int:
+    return sum(len(t.raw_data) for t in proto.graph.initializer)
+
+
+def _save(proto, path: Path) -> int:
+    """Write the model; weights go to `<name>_data` when they pass protobuf's 2 GB limit (the
+    in-memory proto keeps its weights). -> bytes written."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    if _weight_bytes(proto) <= EXTERNAL_DATA_BYTES:
+        onnx.save_model(proto, str(path))
+        return path.stat().st_size
+    data = path.parent / (DATA_FILE if path.name == MODEL_FILE else path.name + "_data")
+    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data.name, size_threshold=1024)
+    load_external_data_for_model(proto, str(path.parent))  # saving moved the weights out of `proto`
+    return path.stat().st_size + data.stat().st_size
+
+
+def _run_checker(path: Path) -> str:
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=False)
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"onnx.checker rejected the exported graph ({str(e).splitlines()[0][:200]}); report the model architecture") from e
+    return "passed"
+
+
+def _add_metadata(proto, config, quant: str, sparse: bool, extra: dict | None) -> None:
+    """metadata_props: laco_deploy.* = how the model was made (pruning/compensation, widths, type)."""
+    from laco_deploy import __version__
+
+    props: dict[str, Any] = {"laco_deploy.version": __version__, "laco_deploy.quant": quant,
+                             "laco_deploy.sparse_storage": sparse, "laco_deploy.torch": torch.__version__}
+    for key, value in (getattr(config, "laco_deploy", None) or {}).items():
+        props[f"laco_deploy.{key}"] = value
+    if getattr(config, "laco_layer_widths", None):
+        props["laco_deploy.layer_widths"] = config.laco_layer_widths
+    props.update(extra or {})
+    del proto.metadata_props[:]
+    for key, value in props.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = str(key), value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def _store_sparse(proto, tmp: Path, dense_bytes: int, notes: list[str]) -> dict:
+    """Rewrite model.onnx with compressed weights; measure it against the dense file just written."""
+    from exporters.onnx_sparse import DENSE_FILE, SPARSE_FILE, compress
+
+    (tmp / DATA_FILE).unlink(missing_ok=True)
+    stats = compress(proto, tmp)
+    _save(proto, tmp / MODEL_FILE)
+    sparse_bytes = model_bytes(tmp)
+    stats.update({"dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes, "ratio": round(sparse_bytes / dense_bytes, 4)})
+    if stats["tensors_compressed"]:
+        notes.append(f"sparse storage: {stats['tensors_compressed']} weights as bitmask + non-zeros in {SPARSE_FILE}: "
+                     f"{sparse_bytes / 2**20:.1f} MiB against {dense_bytes / 2**20:.1f} MiB dense (measured). Loading densifies "
+                     f"them (onnxruntime runs dense kernels: no speed-up); other loaders need exporters.onnx_sparse.densify(folder), "
+                     f"which writes {DENSE_FILE}")
+    else:
+        notes.append("sparse storage: no weight is sparse enough to shrink (need over ~15% zeros); stored dense")
+    return stats
+
+
+def _copy_side_files(model_dir: Path, tmp: Path, tokenizer) -> None:
+    """config.json, generation_config.json and the tokenizer, as optimum's exports carry them."""
+    tokenizer.save_pretrained(tmp)
+    for name in _COPIED:
+        if (model_dir / name).is_file():
+            shutil.copy2(model_dir / name, tmp / name)
+
+
+def _parity(model, tokenizer, folder: Path) -> dict:
+    """Logit parity (prefill + decode) and greedy-text match against the fp32 PyTorch model."""
+    from exporters.onnx_parity import greedy_match, logit_parity
+    from laco_deploy.bench.onnxrt import OrtDecoder
+    from laco_deploy.data import evaluation_stream
+
+    stream = evaluation_stream(tokenizer, "builtin", PARITY_PREFILL + PARITY_DECODE)
+    prefill = min(PARITY_PREFILL, max(1, stream.numel() - PARITY_DECODE))
+    decoder = OrtDecoder(folder, device="cpu")
+    try:
+        parity = logit_parity(model, decoder, stream, prefill)
+        greedy = greedy_match(model, decoder, stream[:GREEDY_PROMPT], GREEDY_NEW)
+    finally:
+        del decoder
+    return {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}

@@ -1,0 +1,167 @@
+"""Trace a Hugging Face decoder with KV cache into one ONNX graph (prefill and decode).
+
+The graph follows optimum's `ORTModelForCausalLM` conventions:
+
+    inputs   input_ids [batch, seq] int64, attention_mask [batch, past + seq] int64,
+             position_ids [batch, seq] int64,
+             past_key_values.N.key / .value [batch, kv_heads_N, past, head_dim]
+    outputs  logits [batch, seq, vocab],
+             present.N.key / .value [batch, kv_heads_N, past + seq, head_dim]
+
+Prefill feeds an empty past (past = 0); decode feeds the previous step's presents. kv_heads_N
+is a fixed number per layer (structured pruning may make it differ between layers).
+
+optimum-onnx pins transformers < 5, so the graph is traced with `torch.onnx.export(dynamo=True)`
+of a thin wrapper whose forward takes the past as flat tensors, rebuilds a `DynamicCache`,
+and returns the logits plus the cache's tensors flattened in the same order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import re
+from typing import Any
+
+import torch
+
+from laco_deploy.structured import layer_widths
+
+log = logging.getLogger(__name__)
+
+# Trace with sizes above 1 so torch.export keeps batch / sequence / past symbolic.
+_TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 5, 3
+DIM_NAMES = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length",
+             "total": "total_sequence_length"}
+
+
+def io_names(n_layers: int) -> tuple[list[str], list[str]]:
+    """Graph input and output names, in positional order (optimum's names)."""
+    past = [f"past_key_values.{i}.{kind}" for i in range(n_layers) for kind in ("key", "value")]
+    present = [f"present.{i}.{kind}" for i in range(n_layers) for kind in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
+
+
+def kv_shapes(config: Any) -> list[tuple[int, int]]:
+    """(kv_heads, head_dim) of each decoder layer, honouring structured-pruning widths."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [(w["num_key_value_heads"], head_dim) for w in layer_widths(config)]
+
+
+def _cache_argument(model: torch.nn.Module) -> str:
+    """transformers 5 renames `past_key_values` to `cache`; use whichever forward accepts."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class KVDecoder(torch.nn.Module):
+    """Wrap a causal LM so its forward takes and returns flat key/value tensors."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+        self.n_layers = model.config.num_hidden_layers
+        self.cache_arg = _cache_argument(model)
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        """input_ids [b, s], attention_mask [b, p + s], position_ids [b, s], past 2 x layers of
+        [b, kv, p, d] -> (logits [b, s, vocab], present 2 x layers of [b, kv, p + s, d])."""
+        from transformers.cache_utils import DynamicCache
+
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.n_layers)]
+        cache = DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **{self.cache_arg: cache})
+        new_cache = getattr(out, "cache", None) or out.past_key_values
+        present = []
+        for layer in new_cache.layers:
+            present += [layer.keys, layer.values]
+        return (out.logits, *present)
+
+
+def _trace_inputs(config: Any, dtype: torch.dtype) -> tuple:
+    b, s, p = _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST
+    ids = torch.randint(0, config.vocab_size, (b, s))
+    mask = torch.ones(b, p + s, dtype=torch.long)
+    pos = torch.arange(p, p + s).expand(b, s).contiguous()
+    past = tuple(torch.randn(b, kv, p, d, dtype=dtype) for kv, d in kv_shapes(config) for _ in range(2))
+    return ids, mask, pos, past
+
+
+def trace(model: torch.nn.Module):
+    """Export `model` (on CPU, in the dtype it holds) -> onnx.ModelProto with symbolic batch,
+    sequence and past lengths. Raises whatever torch.export raises; the caller wraps it."""
+    wrapper = KVDecoder(model).eval()
+    dtype = next(model.parameters()).dtype
+    ids, mask, pos, past = _trace_inputs(model.config, dtype)
+    dyn = torch.export.Dim.DYNAMIC
+    two_d = {0: dyn, 1: dyn}
+    shapes = (two_d, two_d, two_d, tuple({0: dyn, 2: dyn} for _ in past))
+    names_in, names_out = io_names(model.config.num_hidden_layers)
+    with torch.no_grad():
+        program = torch.onnx.export(wrapper, (ids, mask, pos, *past), dynamo=True, dynamic_shapes=shapes,
+                                    input_names=names_in, output_names=names_out,
+                                    optimize=True, verbose=False)
+    proto = program.model_proto
+    for node in proto.graph.node:  # per-node debug records (FX node, stack trace): not needed to run
+        del node.metadata_props[:]
+    rename_dims(proto)
+    name_weights(proto, model)
+    return proto
+
+
+def name_weights(proto, model: torch.nn.Module) -> None:
+    """Name the folded, transposed linear weights (val_123) after their parameters
+    ("model.layers.0.mlp.up_proj.weight.T") so metadata, sparse storage and tools read well."""
+    import hashlib
+
+    from onnx import numpy_helper
+
+    def digest(array) -> str:
+        return hashlib.sha1(array.tobytes()).hexdigest()
+
+    wanted: dict[tuple, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            wt = module.weight.detach().t().contiguous().cpu().numpy()
+            wanted[(wt.shape, wt.dtype.str, digest(wt))] = f"{name}.weight.T"
+    renames: dict[str, str] = {}
+    taken = {t.name for t in proto.graph.initializer}
+    for init in proto.graph.initializer:
+        if len(init.dims) != 2 or not init.name.startswith("val_"):
+            continue
+        array = numpy_helper.to_array(init)
+        new = wanted.get((array.shape, array.dtype.str, digest(array)))
+        if new and new not in taken:
+            renames[init.name] = new
+            taken.add(new)
+            init.name = new
+    for node in proto.graph.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+
+
+def rename_dims(proto) -> None:
+    """Give the exporter's symbols (s10, s70 + s89, ...) optimum's names on graph inputs/outputs."""
+    graph = proto.graph
+    by_name = {v.name: v for v in graph.input}
+    mapping: dict[str, str] = {}
+
+    def learn(value_name: str, axis: int, role: str) -> None:
+        dim = by_name[value_name].type.tensor_type.shape.dim[axis]
+        if dim.dim_param:
+            mapping.setdefault(dim.dim_param, DIM_NAMES[role])
+
+    learn("input_ids", 0, "batch")
+    learn("input_ids", 1, "seq")
+    learn("attention_mask", 1, "total")
+    for v in graph.input:
+        if v.name.startswith("past_key_values."):
+            learn(v.name, 0, "batch")
+            learn(v.name, 2, "past")
+    token = re.compile(r"\bs\d+\b")
+    for v in list(graph.input) + list(graph.output):
+        for dim in v.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = token.sub(lambda m: mapping.get(m.group(0), m.group(0)), dim.dim_param)
