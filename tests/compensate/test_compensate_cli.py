@@ -1,0 +1,44 @@
+"""`laco-deploy compensate`: a summary on success; one clear line and exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_cli_runs_and_prints_summary(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    code, out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_unstructured_dir,
+                         "--out", tmp_path / "o", "--samples", 8, "--seqlen", 32, "--epochs", 1,
+                         "--json", tmp_path / "r.json")
+    assert code == 0, err
+    assert "compensated (laco)" in out and "every zero kept" in out and "(explicit)" in out
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["stage"] == "compensate" and len(rec["per_layer"]) == 2
+
+
+def test_missing_sparse_dir(cli, tiny_llama_dir, tmp_path):
+    code, _out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", tmp_path / "nope", "--out", tmp_path / "o")
+    assert code == 2
+    assert "nope" in err and "not found" in err and "laco-deploy prune" in err
+    assert len(err.strip().splitlines()) <= 2  # one message (rich may wrap it)
+
+
+def test_architecture_mismatch(cli, tiny_qwen2_dir, sparse_unstructured_dir, tmp_path):
+    code, _out, err = cli("compensate", "--dense", tiny_qwen2_dir, "--sparse", sparse_unstructured_dir,
+                          "--out", tmp_path / "o", "--samples", 4, "--seqlen", 16)
+    assert code == 2
+    assert "do not match" in err and "model_type qwen2 vs llama" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_loss_name(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    code, _out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_unstructured_dir,
+                          "--out", tmp_path / "o", "--loss", "l1")
+    assert code == 2
+    assert "--loss 'l1' is not one of mse, nmse, cos_mse, subblock" in err.replace("\n", " ")
+
+
+def test_bad_method_and_epochs_reported_together(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    code, _out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_unstructured_dir,
+                          "--out", tmp_path / "o", "--method", "qlora", "--epochs", 0)
+    assert code == 2
+    assert "qlora" in err and "--epochs" in err
