@@ -134,7 +134,7 @@ class CompensateConfig:
     def validate(self) -> list[str]:
         errs = []
         if self.method not in ("laco", "lora", "none"):
-            errs.append(f"--recover {self.method!r} is not one of laco, lora, none")
+            errs.append(f"--method {self.method!r} (build: --recover) is not one of laco, lora, none")
         if self.loss not in ("mse", "nmse", "cos_mse", "subblock"):
             errs.append(f"--loss {self.loss!r} is not one of mse, nmse, cos_mse, subblock")
         if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
