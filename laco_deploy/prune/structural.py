@@ -145,6 +145,7 @@ def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
             scores = ffn_importance(layer.mlp, stats, cfg.structured_metric)
             keep = scoring.keep_indices(scores, removal_count(before["intermediate_size"], cfg.structured))
             remove_ffn_channels(layer.mlp, keep)
+            rec["kept_ffn_channels"] = keep.tolist()
         if attn_on:
             ctx.progress("head groups")
             kv = before["num_key_value_heads"]
