@@ -88,6 +88,7 @@ def _prepare_checkpoints(ckpt: Path | None, fingerprint: dict, resume: bool) -> 
     if ckpt is None:
         return
     meta = ckpt / "meta.json"
+    fingerprint = json.loads(json.dumps(fingerprint, default=str))  # tuples -> lists, as read back
     if resume and meta.is_file():
         old = json.loads(meta.read_text())
         if old != fingerprint:
@@ -96,6 +97,8 @@ def _prepare_checkpoints(ckpt: Path | None, fingerprint: dict, resume: bool) -> 
                 "rerun with the same settings, or without --resume to start over"
             )
         return
+    if resume:
+        log.warning("--resume: no checkpoints in %s; starting from the first layer", ckpt)
     ckpt.mkdir(parents=True, exist_ok=True)
     for old_file in list(ckpt.glob("layer_*")):
         old_file.unlink()
@@ -131,9 +134,11 @@ def walk_layers(
     sparse_in = inputs.hidden
     dense_in = None
     if paths is Paths.BOTH:
-        dense_in = ActivationCache(sparse_in.shape, sparse_in.offload) if dense_inputs is None else dense_inputs.hidden
         if dense_inputs is None:
+            dense_in = sparse_in.clone_empty()
             dense_in.copy_from(sparse_in)  # both paths start from the same embeddings
+        else:
+            dense_in = dense_inputs.hidden
     sparse_out, dense_out = sparse_in.clone_empty(), (dense_in.clone_empty() if dense_in is not None else None)
     records: list[dict] = []
     bar = tqdm(range(len(layers)), desc=desc or "layers", unit="layer", dynamic_ncols=True)

@@ -1,0 +1,139 @@
+"""The layer-wise engine: propagation equals the model's own forward, both paths, checkpoints, resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from laco_deploy.engine import ActivationCache, Paths, capture_layer_inputs, walk_layers
+from laco_deploy.errors import ConfigError
+from laco_deploy.models import load_model
+
+CPU = torch.device("cpu")
+
+
+def _ids(n=5, seq=12, seed=0):
+    return torch.randint(0, 500, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _hidden_states(model, ids):
+    """The model's own hidden states after each layer: list of [n, seq, hidden]."""
+    with torch.no_grad():
+        out = model.model(ids, output_hidden_states=True)
+    return list(out.hidden_states[1:])
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_walk_reproduces_the_forward_pass(fixture, offload, request, tmp_path):
+    model = load_model(str(request.getfixturevalue(fixture))).model
+    ids = _ids()
+    inputs = capture_layer_inputs(model, ids, CPU, offload=offload, workdir=tmp_path)
+    seen = []
+    walk_layers(model, inputs, None, paths=Paths.SPARSE, device=CPU, batch_size=2,
+                on_layer_done=lambda i, rec, sparse, dense: seen.append(sparse.data.clone()))
+    expected = _hidden_states(model, ids)
+    assert len(seen) == len(expected) == 2
+    assert torch.allclose(seen[0], expected[0], atol=1e-5)
+    # the last entry of hidden_states is after the final norm
+    assert torch.allclose(model.model.norm(seen[1]), expected[1], atol=1e-5)
+
+
+def _zero_first_rows(ctx):
+    """A deterministic in-place change that depends on the layer's inputs (like a pruning step)."""
+    w = ctx.layer.mlp.down_proj.weight
+    k = int(ctx.inputs.data.abs().mean() * 100) % 7 + 3
+    with torch.no_grad():
+        w[:k] = 0
+    return {"layer": ctx.index, "k": k}
+
+
+def test_both_paths_give_dense_targets_and_sparse_inputs(tiny_llama_dir):
+    dense = load_model(str(tiny_llama_dir)).model
+    sparse = load_model(str(tiny_llama_dir)).model
+    ids = _ids(4)
+    expected_dense = _hidden_states(dense, ids)
+    seen = {}
+
+    def step(ctx):
+        seen[ctx.index] = (ctx.inputs.data.clone(), ctx.dense_inputs.data.clone(), ctx.dense_targets.data.clone())
+        assert ctx.dense_layer is not ctx.layer
+        return _zero_first_rows(ctx)
+
+    walk_layers(sparse, capture_layer_inputs(sparse, ids, CPU), step, paths=Paths.BOTH, device=CPU, dense_model=dense,
+                batch_size=3)
+    sparse_in1, dense_in1, target0 = seen[1][0], seen[1][1], seen[0][2]
+    assert torch.allclose(target0, expected_dense[0], atol=1e-5)
+    assert torch.allclose(dense_in1, expected_dense[0], atol=1e-5)
+    assert torch.allclose(sparse_in1, _hidden_states(sparse, ids)[0], atol=1e-5)  # fed by the changed layer 0
+    assert not torch.allclose(sparse_in1, dense_in1, atol=1e-3)
+    assert (dense.model.layers[0].mlp.down_proj.weight[0] != 0).all()  # the dense twin is untouched
+
+
+def test_checkpoint_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
+    ids = _ids(6)
+    ref = load_model(str(tiny_llama_dir)).model
+    ref_records = walk_layers(ref, capture_layer_inputs(ref, ids, CPU), _zero_first_rows, paths=Paths.SPARSE,
+                              device=CPU, checkpoint_dir=tmp_path / "ref", fingerprint={"a": (1, 2)})
+
+    def failing(ctx):
+        if ctx.index == 1:
+            raise RuntimeError("killed")
+        return _zero_first_rows(ctx)
+
+    ckpt = tmp_path / "ckpt"
+    first = load_model(str(tiny_llama_dir)).model
+    with pytest.raises(RuntimeError):
+        walk_layers(first, capture_layer_inputs(first, ids, CPU), failing, paths=Paths.SPARSE, device=CPU,
+                    checkpoint_dir=ckpt, fingerprint={"a": (1, 2)})
+    assert sorted(p.name for p in ckpt.iterdir()) == ["layer_000.json", "layer_000.safetensors", "meta.json"]
+    calls = []
+    second = load_model(str(tiny_llama_dir)).model  # a fresh process would reload the dense weights
+    records = walk_layers(second, capture_layer_inputs(second, ids, CPU), lambda c: calls.append(c.index) or _zero_first_rows(c),
+                          paths=Paths.SPARSE, device=CPU, checkpoint_dir=ckpt, fingerprint={"a": (1, 2)}, resume=True)
+    assert calls == [1] and records == ref_records
+    for (name, a), b in zip(ref.state_dict().items(), second.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="other settings"):
+        walk_layers(second, capture_layer_inputs(second, ids, CPU), None, paths=Paths.SPARSE, device=CPU,
+                    checkpoint_dir=ckpt, fingerprint={"a": (1, 3)}, resume=True)
+
+
+def test_resume_restores_shrunk_linears(tiny_llama_dir, tmp_path):
+    """A step that replaces a Linear by a smaller one (structured pruning) is restored with its shape."""
+    ids = _ids(3)
+
+    def shrink(ctx):
+        if ctx.index == 1:
+            raise RuntimeError("killed")
+        mlp = ctx.layer.mlp
+        keep = torch.arange(0, mlp.gate_proj.out_features, 2)
+        for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            old = getattr(mlp, name)
+            w = old.weight.data.index_select(dim, keep)
+            new = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+            new.weight.data.copy_(w)
+            setattr(mlp, name, new)
+        return {}
+
+    model = load_model(str(tiny_llama_dir)).model
+    with pytest.raises(RuntimeError):
+        walk_layers(model, capture_layer_inputs(model, ids, CPU), shrink, paths=Paths.SPARSE, device=CPU,
+                    checkpoint_dir=tmp_path, fingerprint={})
+    fresh = load_model(str(tiny_llama_dir)).model
+    walk_layers(fresh, capture_layer_inputs(fresh, ids, CPU), lambda c: {}, paths=Paths.SPARSE, device=CPU,
+                checkpoint_dir=tmp_path, fingerprint={}, resume=True)
+    assert fresh.model.layers[0].mlp.down_proj.weight.shape == (64, 64)
+    assert fresh.model.layers[0].mlp.down_proj.in_features == 64
+    assert torch.equal(fresh.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
+
+
+def test_activation_cache_on_disk(tmp_path):
+    cache = ActivationCache((3, 4, 5), "disk", tmp_path)
+    values = torch.randn(2, 4, 5)
+    cache.store(1, values)
+    assert torch.equal(cache.batch(1, 3, CPU), values)
+    twin = cache.clone_empty()
+    assert twin.offload == "disk" and len(list(tmp_path.iterdir())) == 2
+    twin.copy_from(cache)
+    assert torch.equal(twin.data, cache.data)
