@@ -1,0 +1,188 @@
+"""GGUF export through the `gguf` package's writer; k-quants through llama.cpp's own quantizer.
+
+    export(model_dir, out_path, quant) -> ExportResult
+
+F32, F16, BF16 and Q8_0 are written directly (norms and 1-D tensors stay F32, as llama.cpp's
+converter does; a Q8_0 tensor whose rows are not a multiple of 32 falls back to F16). Q4_K_M,
+Q5_K_M and Q6_K are made by writing an F32 file next to the output and running
+`llama_cpp.llama_model_quantize` on it. The file appears only when complete (atomic rename).
+Right after writing, the file is read back and compared with the PyTorch model (checks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from exporters import gguf_model, gguf_vocab
+from exporters.gguf_names import F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
+from laco_deploy.artifacts import ExportResult
+from laco_deploy.errors import ExportError
+from laco_deploy.fsutil import atomic_path
+
+log = logging.getLogger(__name__)
+
+SOURCE_FILE = "laco_source.json"  # {"gguf": path}: the model was converted from this GGUF file
+
+
+def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None = None) -> ExportResult:
+    """Write `model_dir` (HF safetensors directory) as a GGUF file of type `quant`.
+
+    `metadata` (and config.json's `laco_deploy` dict) are recorded under `laco_deploy.*` keys.
+    """
+    t0 = time.perf_counter()
+    quant = str(quant).lower()
+    if quant not in QUANTS:
+        raise ExportError(f"GGUF type {quant!r} is not supported; choose from {', '.join(QUANTS)}")
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    config = gguf_model.read_config(model_dir)
+    plan = gguf_model.plan_model(config)
+    laco = {**(config.get(LACO_PREFIX) or {}), **(metadata or {})}
+    spec = QUANTS[quant]
+    with atomic_path(out_path) as tmp:
+        if spec.tensor_type is not None:
+            notes = _write(model_dir, tmp, plan, config, spec, laco)
+        else:
+            with tempfile.TemporaryDirectory(prefix=f".{out_path.name}.", dir=out_path.parent) as work:
+                f32 = Path(work) / "f32.gguf"
+                notes = _write(model_dir, f32, plan, config, QUANTS["f32"], laco)
+                _llama_quantize(f32, tmp, spec)
+    from exporters.gguf_check import parity, read_back
+
+    checks = read_back(out_path)
+    checks.update(parity(model_dir, out_path))
+    if plan.per_layer:
+        notes.append(f"per-layer widths: written as architecture {plan.arch_name} (llama.cpp reads per-layer "
+                     "feed_forward_length and head counts)")
+    return ExportResult(target="gguf", quant=quant, path=str(out_path), size_bytes=out_path.stat().st_size,
+                        checks=checks, notes=notes, wall_s=round(time.perf_counter() - t0, 2))
+
+
+def _write(model_dir: Path, path: Path, plan, config: dict, spec: QuantSpec, laco: dict) -> list[str]:
+    """One GGUF file with tensors of `spec.tensor_type` (see module doc). Returns notes."""
+    writer = gguf.GGUFWriter(str(path), plan.arch_name)
+    notes: list[str] = []
+    source = _source_gguf(model_dir)
+    if source is not None and gguf_vocab.carry_from_gguf(writer, source, plan.n_vocab):
+        notes.append(f"tokenizer and general metadata carried over from {source}")
+    else:
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_name(str(config.get("_name_or_path") or config.get("_model_name_or_path") or model_dir.name))
+        notes += gguf_vocab.write_hf_tokenizer(writer, model_dir, plan.n_vocab)
+    gguf_model.write_hparams(writer, plan, config)
+    writer.add_file_type(spec.file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    _write_laco_metadata(writer, laco)
+    fallbacks = _add_tensors(writer, model_dir, plan, config, spec.tensor_type)
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} tensor(s) written as F16: rows not a multiple of the block size ({fallbacks[0]}...)")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return notes
+
+
+def _add_tensors(writer, model_dir: Path, plan, config: dict, qtype) -> list[str]:
+    """Add every tensor, quantized to `qtype` where llama.cpp allows; return F16 fallbacks."""
+    fallbacks, written = [], set()
+    for name, data in [*gguf_model.extra_tensors(plan, config), *gguf_model.iter_tensors(model_dir, plan)]:
+        ttype = qtype
+        if data.ndim <= 1 or name.endswith(F32_SUFFIXES):
+            ttype = gguf.GGMLQuantizationType.F32
+        try:
+            packed = gguf.quants.quantize(data, ttype)
+        except gguf.QuantError:
+            ttype = gguf.GGMLQuantizationType.F16
+            packed = gguf.quants.quantize(data, ttype)
+            fallbacks.append(name)
+        writer.add_tensor(name, packed, raw_dtype=ttype)
+        written.add(name)
+    if not plan.tied and "output.weight" not in written:
+        raise ExportError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing; re-save the model")
+    return fallbacks
+
+
+def _source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF file this directory was converted from, if it says so and the file still exists."""
+    marker = model_dir / SOURCE_FILE
+    if not marker.is_file():
+        return None
+    try:
+        path = Path(json.loads(marker.read_text())["gguf"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ExportError(f"{marker} is malformed ({e}); delete it to build the tokenizer from the HF files") from e
+    if not path.is_file():
+        log.warning("%s names %s, which no longer exists; building the tokenizer from the HF files", marker, path)
+        return None
+    return path
+
+
+def _write_laco_metadata(writer: gguf.GGUFWriter, values: dict[str, Any], prefix: str = LACO_PREFIX) -> None:
+    """Flatten nested settings into `laco_deploy.a.b` keys with natural GGUF types."""
+    for key, value in values.items():
+        full = f"{prefix}.{key}"
+        if isinstance(value, dict):
+            _write_laco_metadata(writer, value, full)
+        elif isinstance(value, bool):
+            writer.add_bool(full, value)
+        elif isinstance(value, int):
+            writer.add_int64(full, value)
+        elif isinstance(value, float):
+            writer.add_float64(full, value)
+        elif isinstance(value, str):
+            if value:
+                writer.add_string(full, value)
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+            writer.add_array(full, list(value))
+        elif value is not None:
+            writer.add_string(full, json.dumps(value))
+
+
+def _llama_quantize(src: Path, dst: Path, spec: QuantSpec) -> None:
+    """Quantize an F32 GGUF with llama.cpp's own k-quant recipes (llama-cpp-python binding)."""
+    try:
+        import llama_cpp
+    except ImportError as e:
+        raise ExportError("k-quants need llama-cpp-python: pip install llama-cpp-python (or export q8_0/f16)") from e
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's per-tensor log
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, spec.llama_ftype)
+    params.nthread = os.cpu_count() or 1
+    with _quiet_stderr():
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise ExportError(f"llama.cpp's quantizer failed ({rc}) making {spec.llama_ftype} from {src}; try --quant q8_0")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence C-level stderr (ggml prints per-tensor lines) for the enclosed block."""
+    try:
+        fd = os.dup(2)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(fd, 2)
+            os.close(fd)
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each GGML type a GGUF file holds (e.g. {"Q4_K": 120, "F32": 61})."""
+    reader = gguf.GGUFReader(str(path), "r")
+    return dict(Counter(t.tensor_type.name for t in reader.tensors))

@@ -1,0 +1,204 @@
+"""What a Hugging Face directory becomes in GGUF: architecture, hyper-parameters, tensors.
+
+`plan_model(config)` reads config.json (plain JSON: no model is built) and decides the GGUF
+architecture, including `deci` for structured-pruned models with per-layer widths;
+`write_hparams` writes the `{arch}.*` keys; `iter_tensors` yields every tensor under its GGUF
+name, in float32, with the Q/K row reordering llama.cpp's normal RoPE needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from exporters.gguf_names import ARCHITECTURES, MODEL_TYPES, SKIPPED_SUFFIXES, STRUCTURED, ArchSpec
+from laco_deploy.errors import ExportError
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+WIDTH_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    hf_arch: str
+    spec: ArchSpec
+    n_layers: int
+    hidden: int
+    head_dim: int
+    n_vocab: int
+    widths: list[dict[str, int]]  # per layer: intermediate_size, num_attention_heads, num_key_value_heads
+    per_layer: bool  # write per-layer arrays (deci)
+    tied: bool
+
+    @property
+    def arch_name(self) -> str:
+        return gguf.MODEL_ARCH_NAMES[self.spec.arch]
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise ExportError(f"model directory {model_dir} not found; pass a Hugging Face directory (config.json + *.safetensors)")
+    if not path.is_file():
+        raise ExportError(f"{model_dir} has no config.json: it is not a Hugging Face model directory")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ExportError(f"{path} is not valid JSON ({e}); re-save the model") from e
+
+
+def _hf_arch(config: dict[str, Any]) -> str:
+    for arch in config.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return arch
+    if config.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[config["model_type"]]
+    got = ", ".join(config.get("architectures") or []) or str(config.get("model_type"))
+    raise ExportError(f"architecture {got} cannot be exported to GGUF; supported: {', '.join(ARCHITECTURES)}")
+
+
+def plan_model(config: dict[str, Any]) -> ModelPlan:
+    """Decide architecture and layer widths from config.json."""
+    hf_arch = _hf_arch(config)
+    try:
+        n_layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+        n_heads = int(config["num_attention_heads"])
+        n_vocab = int(config["vocab_size"])
+        default = {"intermediate_size": int(config["intermediate_size"]), "num_attention_heads": n_heads,
+                   "num_key_value_heads": int(config.get("num_key_value_heads") or n_heads)}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"config.json lacks a usable {e} entry; re-save the model with transformers") from e
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    widths = config.get("laco_layer_widths") or [default] * n_layers
+    if len(widths) != n_layers or any(set(WIDTH_KEYS) - set(w) for w in widths):
+        raise ExportError(f"config.json laco_layer_widths must hold {n_layers} entries with {', '.join(WIDTH_KEYS)}; re-run the pruning")
+    widths = [{k: int(w[k]) for k in WIDTH_KEYS} for w in widths]
+    for i, w in enumerate(widths):
+        if w["intermediate_size"] == 0 and w["num_attention_heads"] > 0:
+            raise ExportError(f"layer {i} has no FFN channels left; llama.cpp's per-layer graph (deci) would drop its "
+                              "attention too. Prune less than all channels of a layer")
+    per_layer = any(w != widths[0] for w in widths)
+    spec = STRUCTURED if per_layer else ARCHITECTURES[hf_arch]
+    return ModelPlan(hf_arch, spec, n_layers, hidden, head_dim, n_vocab, widths, per_layer,
+                     bool(config.get("tie_word_embeddings", True)))
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings whether transformers wrote `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
+    params = dict(config.get("rope_parameters") or {})
+    params.update(config.get("rope_scaling") or {})
+    if "rope_theta" not in params and "rope_theta" in config:
+        params["rope_theta"] = config["rope_theta"]
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params["type"]
+    return params
+
+
+def write_hparams(writer: gguf.GGUFWriter, plan: ModelPlan, config: dict[str, Any]) -> None:
+    """The `{arch}.*` hyper-parameters llama.cpp reads for this architecture."""
+    w0 = plan.widths[0]
+    col = (lambda k: [w[k] for w in plan.widths]) if plan.per_layer else (lambda k: w0[k])
+    writer.add_block_count(plan.n_layers)
+    writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
+    writer.add_embedding_length(plan.hidden)
+    writer.add_feed_forward_length(col("intermediate_size"))
+    writer.add_head_count(col("num_attention_heads"))
+    writer.add_head_count_kv(col("num_key_value_heads"))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_key_length(plan.head_dim)
+    writer.add_value_length(plan.head_dim)
+    writer.add_rope_dimension_count(plan.head_dim)
+    writer.add_vocab_size(plan.n_vocab)
+    rope = _rope(config)
+    if rope.get("rope_theta") is not None:
+        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    kind = (rope.get("rope_type") or "default").lower()
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+    elif kind not in ("default", "llama3"):  # llama3 is a rope_freqs tensor, see extra_tensors
+        raise ExportError(f"RoPE type {kind!r} is not supported for GGUF export; supported: default, linear, yarn, llama3")
+
+
+def extra_tensors(plan: ModelPlan, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """Tensors llama.cpp needs that HF computes on the fly: Llama-3 RoPE frequency factors."""
+    rope = _rope(config)
+    if (rope.get("rope_type") or "").lower() == "llama3":
+        yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_factors(
+            plan.head_dim, float(rope.get("rope_theta", 10000.0)), float(rope.get("factor", 8.0)),
+            float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0)),
+            int(rope.get("original_max_position_embeddings", 8192)))
+
+
+def llama3_rope_factors(dim: int, base: float, factor: float, low: float, high: float, old_ctx: int) -> np.ndarray:
+    """Llama 3.1 frequency divisors per rotary pair: 1 for short wavelengths, `factor` for long
+    ones, a smooth blend between (Meta's published formula). [dim // 2] float32."""
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def permute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Reorder the rows of each head from HF's half-split RoPE layout to llama.cpp's interleaved
+    pairs: within a head of d rows, new row 2i = old row i and new row 2i+1 = old row i + d/2.
+    weight [n_heads * d, ...] (a q/k projection or its bias) -> same shape."""
+    if n_heads == 0:
+        return weight
+    d = weight.shape[0] // n_heads
+    return weight.reshape(n_heads, 2, d // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _safetensor_files(model_dir: Path) -> list[Path]:
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        pickles = list(Path(model_dir).glob("*.bin"))
+        hint = " (only pickled *.bin found: load and re-save it with safe_serialization=True)" if pickles else ""
+        raise ExportError(f"{model_dir} has no *.safetensors weights{hint}")
+    return files
+
+
+def iter_tensors(model_dir: Path, plan: ModelPlan) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array in HF [out, in] order) for every tensor llama.cpp loads."""
+    from safetensors import safe_open
+
+    names = gguf.get_tensor_name_map(plan.spec.arch, plan.n_layers)
+    for path in _safetensor_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(SKIPPED_SUFFIXES) or (plan.tied and key == "lm_head.weight"):
+                    continue
+                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+                if name is None:
+                    raise ExportError(f"tensor {key} in {path.name} has no GGUF name for {plan.arch_name}; "
+                                      f"is this a plain {plan.hf_arch}?")
+                layer = _LAYER.search(key)
+                w = plan.widths[int(layer.group(1))] if layer else None
+                if w is not None and w["num_attention_heads"] == 0 and (".self_attn." in key or ".input_layernorm." in key):
+                    continue  # attention-free layer: deci creates no attention tensors
+                tensor = f.get_tensor(key).to(torch.float32)
+                if plan.spec.permute_qk and w is not None:
+                    if ".q_proj." in key:
+                        tensor = permute_rope_rows(tensor, w["num_attention_heads"])
+                    elif ".k_proj." in key:
+                        tensor = permute_rope_rows(tensor, w["num_key_value_heads"])
+                yield name, tensor.contiguous().numpy()

@@ -1,0 +1,123 @@
+"""HF -> GGUF knowledge as data: architectures, output types, tokenizer kinds, metadata keys.
+
+Tensor *names* come from the `gguf` package itself (`gguf.get_tensor_name_map`, which maps
+`model.layers.{bid}.self_attn.q_proj` to `blk.{bid}.attn_q` and so on); this module only says
+which GGUF architecture a Hugging Face model becomes and how its layout differs per family.
+Facts below were checked against llama.cpp's reference converter (convert_hf_to_gguf.py,
+conversion/llama.py, conversion/deci.py) and loader (src/models/*.cpp) as vendored by
+llama-cpp-python 0.3.36.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+
+# ---- architectures -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one Hugging Face family is written as GGUF."""
+
+    arch: gguf.MODEL_ARCH  # GGUF architecture (`general.architecture`)
+    # llama.cpp applies "normal" RoPE (rotating pairs of adjacent values) for llama/deci, while
+    # HF rotates the two halves of each head; the converter therefore reorders the rows of
+    # q_proj/k_proj (and their biases) inside every head. Qwen2 uses NEOX RoPE: no reordering.
+    permute_qk: bool
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    # Llama 1/2/3, SmolLM, TinyLlama: arch `llama`; optional q/k/v/o and MLP biases are
+    # read by llama.cpp's llama loader when present; tied heads reuse token_embd.
+    "LlamaForCausalLM": ArchSpec(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    # Mistral 7B: the converter writes it as `llama` too (sliding_window is not used by llama.cpp).
+    "MistralForCausalLM": ArchSpec(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    # Qwen2 / Qwen2.5: arch `qwen2`, q/k/v biases (attn_q.bias ...), NEOX RoPE, usually untied.
+    "Qwen2ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
+}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# Structured-pruned models whose layers differ in FFN width or head count. llama.cpp's `llama`
+# loader sizes every layer from layer 0's counts; `deci` (DeciLM / Nemotron-NAS) reads
+# `{arch}.feed_forward_length`, `{arch}.attention.head_count` and `.head_count_kv` as per-layer
+# arrays and builds each layer with its own width (src/models/deci.cpp). It uses normal RoPE
+# like llama (so Q/K rows are reordered), accepts optional q/k/v/o and FFN biases, and needs
+# `attention.key_length`/`value_length` because head_dim cannot be inferred from layer 0.
+# deci treats head_count == 0 as an attention-free layer (no attn_norm, no attention tensors);
+# feed_forward_length == 0 drops the whole layer *including* its attention, so it is refused.
+STRUCTURED = ArchSpec(gguf.MODEL_ARCH.DECI, permute_qk=True)
+
+# HF tensor names never written (recomputed by llama.cpp).
+SKIPPED_SUFFIXES = (".rotary_emb.inv_freq", ".attention.masked_bias")
+
+# Norm weights and every 1-D tensor stay F32 in every output type, as the converter does.
+F32_SUFFIXES = ("_norm.weight",)
+
+# ---- output types --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    file_type: gguf.LlamaFileType  # `general.file_type`
+    tensor_type: gguf.GGMLQuantizationType | None  # written directly by the gguf package; None: k-quant
+    llama_ftype: str | None = None  # llama_cpp constant used by llama_model_quantize
+
+
+QUANTS: dict[str, QuantSpec] = {
+    "f32": QuantSpec(gguf.LlamaFileType.ALL_F32, gguf.GGMLQuantizationType.F32),
+    "f16": QuantSpec(gguf.LlamaFileType.MOSTLY_F16, gguf.GGMLQuantizationType.F16),
+    "bf16": QuantSpec(gguf.LlamaFileType.MOSTLY_BF16, gguf.GGMLQuantizationType.BF16),
+    "q8_0": QuantSpec(gguf.LlamaFileType.MOSTLY_Q8_0, gguf.GGMLQuantizationType.Q8_0),
+    # k-quants: an F32 file is written first, then llama.cpp's own quantizer picks per-tensor
+    # types (Q4_K_M mixes Q4_K, Q6_K and, for rows not a multiple of 256, Q5_0/Q8_0 fallbacks).
+    "q4_k_m": QuantSpec(gguf.LlamaFileType.MOSTLY_Q4_K_M, None, "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
+    "q5_k_m": QuantSpec(gguf.LlamaFileType.MOSTLY_Q5_K_M, None, "LLAMA_FTYPE_MOSTLY_Q5_K_M"),
+    "q6_k": QuantSpec(gguf.LlamaFileType.MOSTLY_Q6_K, None, "LLAMA_FTYPE_MOSTLY_Q6_K"),
+}
+
+# ---- tokenizer -----------------------------------------------------------------------------
+
+# llama.cpp picks the pre-tokenizer regex from `tokenizer.ggml.pre` (src/llama-vocab.cpp).
+# The converter finds it by hashing a test string's tokens; we recognise the HF tokenizer.json
+# pre_tokenizer structure instead. Each entry: (name, predicate over the list of steps).
+# Steps are the pre_tokenizer dict, or the items of a "Sequence".
+LLAMA3_SPLIT = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+QWEN2_SPLIT = (
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+)
+
+
+def _is_bytelevel(step: dict, regex: bool) -> bool:
+    return step.get("type") == "ByteLevel" and bool(step.get("use_regex", True)) == regex
+
+
+def _split_regex(step: dict) -> str | None:
+    if step.get("type") != "Split":
+        return None
+    pattern = step.get("pattern") or {}
+    return pattern.get("Regex")
+
+
+PRE_TOKENIZERS: list[tuple[str, object]] = [
+    # GPT-2: ByteLevel with its built-in regex and nothing else.
+    ("gpt-2", lambda s: len(s) == 1 and _is_bytelevel(s[0], regex=True)),
+    # SmolLM / StarCoder-style: digits split one by one, then GPT-2 ByteLevel regex.
+    ("smollm", lambda s: len(s) == 2 and s[0].get("type") == "Digits" and s[0].get("individual_digits")
+     and _is_bytelevel(s[1], regex=True)),
+    # Llama 3: one Split with the Llama-3 regex, then ByteLevel without a regex.
+    ("llama-bpe", lambda s: len(s) == 2 and _split_regex(s[0]) == LLAMA3_SPLIT and _is_bytelevel(s[1], regex=False)),
+    # Qwen2: same shape, single-digit numbers.
+    ("qwen2", lambda s: len(s) == 2 and _split_regex(s[0]) == QWEN2_SPLIT and _is_bytelevel(s[1], regex=False)),
+]
+
+# ---- metadata ------------------------------------------------------------------------------
+
+# When the model came from a GGUF file, its `tokenizer.*` keys and these `general.*` keys are
+# carried over unchanged. Keys describing the *file* (its type, alignment, architecture) are
+# rewritten for the new file instead.
+GENERAL_NOT_CARRIED = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
+LACO_PREFIX = "laco_deploy"  # pruning/compensation settings live under laco_deploy.*
