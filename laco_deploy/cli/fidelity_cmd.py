@@ -52,10 +52,9 @@ def fidelity_command(
 ) -> None:
     """Measure how far each candidate is from the dense model on the same evaluation tokens.
 
-    Per-token KL(dense||candidate) (mean, median, p99, max), top-1 agreement, the change in the
-    probability of the dense model's top token, perplexity and its ratio, and for PyTorch
-    candidates the per-layer hidden-state error. Writes fidelity.json, fidelity.md and a
-    self-contained fidelity.html into --report. A failed gate still writes the reports, then exits 1.
+    Per-token KL(dense||candidate) (mean, median, p99, max), top-1 agreement, the change in the probability of the dense model's top token, perplexity and its ratio, and for PyTorch candidates the per-layer hidden-state error.
+
+    Writes fidelity.json, fidelity.md and a self-contained fidelity.html into --report. A failed gate still writes the reports, then exits 1.
     """
     model_cfg = ModelConfig(model=dense, device=device)
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
@@ -67,8 +66,8 @@ def fidelity_command(
     from laco_deploy.fidelity.report import markdown
 
     result = run(model_cfg, data_cfg, fid_cfg, candidates, report)
-    console.print(markdown(result.to_dict()), markup=False, highlight=False)
-    console.print(f"wrote {', '.join(result.reports.values())}", markup=False, highlight=False)
+    console.print(markdown(result.to_dict()), markup=False, highlight=False, soft_wrap=True)
+    console.print(f"wrote {', '.join(result.reports.values())}", markup=False, highlight=False, soft_wrap=True)
     failed = [g for g in result.gates if not g["passed"]]
     if failed:
         raise GateFailed("; ".join(gate_message(g) for g in failed) + f" (reports in {report})")

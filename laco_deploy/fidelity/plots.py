@@ -71,6 +71,9 @@ def kl_distribution_png(candidates: dict[str, dict[str, Any]]) -> bytes:
         ax_cdf.plot([max(v, KL_FLOOR) for v in q["value"]], q["q"], color=col[label], label=label)
         mean = c["metrics"]["kl"]["mean"]
         ax_cdf.axvline(max(mean, KL_FLOOR), color=col[label], linestyle=":", linewidth=1)
+    top = max((max(c["kl_quantiles"]["value"]) for c in candidates.values()), default=0.0)
+    for ax in (ax_hist, ax_cdf):  # explicit limits: also readable when every KL is 0
+        ax.set_xlim(KL_FLOOR / 2, max(top * 2, KL_FLOOR * 10))
     ax_hist.set(xscale="log", title="Distribution of per-token KL", xlabel="KL(dense || candidate) per token [nats]",
                 ylabel="share of tokens per bin")
     ax_cdf.set(xscale="log", title="Cumulative distribution of per-token KL (dotted: mean)",

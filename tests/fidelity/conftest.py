@@ -39,6 +39,15 @@ def perturb(model, scale: float, seed: int = 0):
     return model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; two threads on a shared 2-core machine thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def trained_dir(tmp_path_factory, bpe_tokenizer) -> Path:
     """3-layer Llama (hidden 64, vocab 512) after 150 AdamW steps on calibration text (~2 s)."""
