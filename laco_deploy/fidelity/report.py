@@ -64,8 +64,8 @@ def table_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
     for label, c in data["candidates"].items():
         m = c["metrics"]
         kl = m["kl"]
-        rows.append((label, c["runtime"], _f(kl["mean"], ".4f"), _f(kl["median"], ".4f"), _f(kl["p99"], ".3f"),
-                     _f(kl["max"], ".3f"), _f(100 * m["top1"], ".1f") + "%", _f(m["p_top_delta"], "+.4f"),
+        rows.append((label, c["runtime"], _f(kl["mean"], ".3g"), _f(kl["median"], ".3g"), _f(kl["p99"], ".3g"),
+                     _f(kl["max"], ".3g"), _f(100 * m["top1"], ".1f") + "%", _f(m["p_top_delta"], "+.3g"),
                      _f(m["ppl"], ".3f"), _f(m["ppl_ratio"], ".3f"), _gate_status(data, label)))
     return rows
 

@@ -1,0 +1,41 @@
+"""Fidelity of real exported candidates: GGUF files run by llama.cpp (cheap) and an ONNX export
+run by onnxruntime (slow: the export takes ~10-30 s, so it runs with the slow suite)."""
+
+from __future__ import annotations
+
+import pytest
+
+from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
+from laco_deploy.fidelity import run
+
+DATA = DataConfig(eval_samples=2, seqlen=48)
+
+
+def test_gguf_candidates_through_llama_cpp(trained_dir, tmp_path):
+    pytest.importorskip("llama_cpp")
+    from exporters.gguf import export
+
+    f32 = export(trained_dir, tmp_path / "tiny.f32.gguf", "f32").path
+    q8 = export(trained_dir, tmp_path / "tiny.q8_0.gguf", "q8_0").path
+    result = run(ModelConfig(model=str(trained_dir), device="cpu"), DATA, FidelityConfig(max_kl=1e-2),
+                 {"f32": f32, "q8_0": q8}, tmp_path / "report")
+    a, b = result.candidates["f32"], result.candidates["q8_0"]
+    assert a["runtime"] == b["runtime"] == "llama.cpp" and a["per_layer"] is None
+    assert a["metrics"]["kl"]["max"] < 1e-4 and a["metrics"]["top1"] >= 0.99  # f32 reproduces PyTorch
+    assert a["metrics"]["ppl_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert a["metrics"]["kl"]["mean"] < b["metrics"]["kl"]["mean"] < 1e-2  # 8-bit weights cost a little
+    assert result.passed and "llama-cpp-python" in result.versions
+    assert a["sha256"] != b["sha256"]
+
+
+@pytest.mark.slow
+def test_onnx_candidate_through_onnxruntime(trained_dir, tmp_path):
+    from exporters.onnx import export
+
+    folder = export(trained_dir, tmp_path / "onnx", "fp32").path
+    result = run(ModelConfig(model=str(trained_dir), device="cpu"), DATA, FidelityConfig(max_kl=1e-6, min_top1=1.0),
+                 {"onnx": folder}, tmp_path / "report")
+    c = result.candidates["onnx"]
+    assert c["runtime"] == "onnxruntime" and c["per_layer"] is None
+    assert c["metrics"]["kl"]["max"] < 1e-6 and c["metrics"]["top1"] == 1.0
+    assert result.passed and "onnxruntime" in result.versions
