@@ -63,6 +63,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
         _copy_side_files(model_dir, tmp, tokenizer)
         checks.update(_parity(model, tokenizer, tmp))
         size = model_bytes(tmp)
+        tmp.chmod(0o755)  # mkdtemp made it private; an export folder is meant to be shared
     if getattr(config, "laco_layer_widths", None):
         ffn = sorted({w["intermediate_size"] for w in config.laco_layer_widths})
         notes.append(f"structured widths exported: FFN sizes {ffn} (dense {config.intermediate_size})")
@@ -197,12 +198,16 @@ def _add_metadata(proto, config, quant: str, sparse: bool, extra: dict | None) -
 
 def _store_sparse(proto, tmp: Path, dense_bytes: int, notes: list[str]) -> dict:
     """Rewrite model.onnx with compressed weights; measure it against the dense file just written."""
-    from exporters.onnx_sparse import DENSE_FILE, SPARSE_FILE, compress
+    from exporters.onnx_sparse import DENSE_FILE, SPARSE_FILE, compress, densify
 
     (tmp / DATA_FILE).unlink(missing_ok=True)
     stats = compress(proto, tmp)
     _save(proto, tmp / MODEL_FILE)
     sparse_bytes = model_bytes(tmp)
+    if stats["tensors_compressed"]:  # the rewritten graph must pass the checker once densified
+        densify(tmp)
+        stats["onnx_checker_densified"] = _run_checker(tmp / MODEL_FILE)
+        (tmp / DENSE_FILE).unlink()
     stats.update({"dense_bytes": dense_bytes, "sparse_bytes": sparse_bytes, "ratio": round(sparse_bytes / dense_bytes, 4)})
     if stats["tensors_compressed"]:
         notes.append(f"sparse storage: {stats['tensors_compressed']} weights as bitmask + non-zeros in {SPARSE_FILE}: "

@@ -144,24 +144,15 @@ def name_weights(proto, model: torch.nn.Module) -> None:
 
 def rename_dims(proto) -> None:
     """Give the exporter's symbols (s10, s70 + s89, ...) optimum's names on graph inputs/outputs."""
-    graph = proto.graph
-    by_name = {v.name: v for v in graph.input}
+    roles = {"input_ids": ("batch", "seq"), "attention_mask": ("batch", "total"), "position_ids": ("batch", "seq")}
     mapping: dict[str, str] = {}
-
-    def learn(value_name: str, axis: int, role: str) -> None:
-        dim = by_name[value_name].type.tensor_type.shape.dim[axis]
-        if dim.dim_param:
-            mapping.setdefault(dim.dim_param, DIM_NAMES[role])
-
-    learn("input_ids", 0, "batch")
-    learn("input_ids", 1, "seq")
-    learn("attention_mask", 1, "total")
-    for v in graph.input:
-        if v.name.startswith("past_key_values."):
-            learn(v.name, 0, "batch")
-            learn(v.name, 2, "past")
+    for value in proto.graph.input:
+        axes = roles.get(value.name) or (("batch", None, "past", None) if value.name.startswith("past_key_values.") else ())
+        for dim, role in zip(value.type.tensor_type.shape.dim, axes):
+            if role and dim.dim_param:
+                mapping[dim.dim_param] = DIM_NAMES[role]
     token = re.compile(r"\bs\d+\b")
-    for v in list(graph.input) + list(graph.output):
-        for dim in v.type.tensor_type.shape.dim:
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        for dim in value.type.tensor_type.shape.dim:
             if dim.dim_param:
                 dim.dim_param = token.sub(lambda m: mapping.get(m.group(0), m.group(0)), dim.dim_param)

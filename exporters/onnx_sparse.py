@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,7 @@ def compress(proto, folder: Path) -> dict[str, Any]:
     if tensors:
         with atomic_path(folder / SPARSE_FILE) as tmp:
             save_file(tensors, str(tmp), metadata={"format": FORMAT, "dense_file": DENSE_FILE, "tensors": json.dumps(index)})
+        os.chmod(folder / SPARSE_FILE, 0o644)  # a shipped artifact, readable like model.onnx
     return {"tensors_compressed": len(index), "zero_fraction": round(zeros / elements, 4) if elements else 0.0,
             "dense_weight_bytes": offset}
 

@@ -1,0 +1,30 @@
+"""Qwen2 (q/k/v biases, untied head) and a SentencePiece-tokenized Llama exported to ONNX."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+
+from exporters import onnx as onnx_exporter
+from laco_deploy.bench.onnxrt import OrtRunner
+from laco_deploy.models import load_model
+
+
+def test_qwen2_with_biases(tiny_qwen2_dir, tmp_path):
+    result = onnx_exporter.export(tiny_qwen2_dir, tmp_path / "qwen2", "fp32")
+    p = result.checks["parity"]
+    assert p["max_abs_diff_prefill"] <= 1e-3 and p["max_abs_diff_decode"] <= 1e-3 and p["top1_agreement"] >= 0.999
+    assert result.checks["greedy"]["identical"]
+    names = {t.name for t in onnx.load(str(tmp_path / "qwen2" / "model.onnx")).graph.initializer}
+    assert any("q_proj.bias" in n for n in names)  # the biases made it into the graph
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = load_model(str(tiny_qwen2_dir)).model(ids.view(1, -1)).logits[0]
+    assert (OrtRunner(tmp_path / "qwen2").logits(ids) - ref).abs().max() <= 1e-3
+
+
+def test_sentencepiece_model_and_upper_case_type(tiny_llama_sp_dir, tmp_path):
+    """The SentencePiece tokenizer travels with the export; type names are case-insensitive."""
+    result = onnx_exporter.export(tiny_llama_sp_dir, tmp_path / "sp", "FP32")
+    assert result.quant == "fp32" and (tmp_path / "sp" / "tokenizer.model").is_file()
+    assert result.checks["parity"]["max_abs_logit_diff"] <= 1e-3

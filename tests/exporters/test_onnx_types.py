@@ -1,0 +1,67 @@
+"""fp16 and int8 ONNX exports, and Qwen2 (q/k/v biases, untied head), against PyTorch."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from exporters import onnx as onnx_exporter
+from laco_deploy.bench.onnxrt import OrtDecoder
+from laco_deploy.models import load_model
+
+
+def _ops(path) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(path)).graph.node)
+
+
+def _decode_diff(folder, model_dir, n_prefill: int = 20, n_decode: int = 6) -> tuple[float, float]:
+    """Independent of the export's own check: max |logit diff| and top-1 agreement over a prefill
+    and teacher-forced decode steps, against the fp32 PyTorch model."""
+    model = load_model(str(model_dir)).model
+    ids = torch.randint(3, 500, (n_prefill + n_decode,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids.view(1, -1)).logits[0].numpy()
+    decoder = OrtDecoder(folder)
+    logits, past = decoder.prefill(ids[:n_prefill].numpy())
+    rows = [logits]
+    for pos in range(n_prefill, ids.numel()):
+        step, past = decoder.step(int(ids[pos]), pos, past)
+        rows.append(step[None])
+    got = np.concatenate(rows)
+    return float(np.abs(got - ref).max()), float((got.argmax(-1) == ref.argmax(-1)).mean())
+
+
+def test_fp16_export(tiny_llama_untied_dir, tmp_path):
+    result = onnx_exporter.export(tiny_llama_untied_dir, tmp_path / "fp16", "fp16")
+    model = onnx.load(str(tmp_path / "fp16" / "model.onnx"))
+    weights = [t for t in model.graph.initializer if len(t.dims) == 2]
+    assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights)
+    past = next(i for i in model.graph.input if i.name == "past_key_values.0.key")
+    assert past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert OrtDecoder(tmp_path / "fp16").kv_dtype == np.float16
+    p = result.checks["parity"]
+    # looser than fp32: half-precision weights and activations; typical here ~3e-3
+    assert 0 < p["max_abs_logit_diff"] <= 5e-2 and p["top1_agreement"] >= 0.97
+    max_diff, top1 = _decode_diff(tmp_path / "fp16", tiny_llama_untied_dir)
+    assert 0 < max_diff <= 5e-2 and top1 >= 0.9
+    fp32_weight_bytes = sum(p.numel() * 4 for p in load_model(str(tiny_llama_untied_dir)).model.parameters())
+    assert result.size_bytes < 0.6 * fp32_weight_bytes + 200_000
+
+
+def test_int8_export_via_cli(cli, tiny_llama_untied_dir, tmp_path):
+    out = tmp_path / "int8"
+    code, stdout, err = cli("export", "--model", tiny_llama_untied_dir, "--target", "onnx", "--quant", "int8", "--out", out)
+    assert code == 0, err
+    assert "onnx int8" in stdout and "max_abs_logit_diff" in stdout
+    ops = _ops(out / "model.onnx")
+    assert ops["MatMulInteger"] == 2 * 7 + 1  # every linear of both layers, and the untied head
+    int8_weights = [t for t in onnx.load(str(out / "model.onnx")).graph.initializer
+                    if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2]
+    assert len(int8_weights) == 15
+    max_diff, top1 = _decode_diff(out, tiny_llama_untied_dir)
+    # int8 weights: clearly looser than fp32 but still close on a random tiny model
+    assert 1e-3 < max_diff <= 0.5 and top1 >= 0.75
