@@ -15,6 +15,12 @@ from typing import Any, Iterator
 from laco_deploy.errors import ResourceError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
     """Yield a temp path in the target's folder; rename it onto `target` only on success."""
@@ -25,6 +31,8 @@ def atomic_path(target: Path) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        if tmp_path.exists():  # mkstemp makes 0600 files; give the result ordinary permissions
+            os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, target)
     except OSError as e:
         tmp_path.unlink(missing_ok=True)
@@ -44,6 +52,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
         if target.exists():
             old = target.with_name(f".{target.name}.old")
             shutil.rmtree(old, ignore_errors=True)

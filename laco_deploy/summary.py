@@ -23,7 +23,7 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         "stage_wall_s": {k: v.get("wall_s") for k, v in stages.items()},
         "stage_reused": [k for k, v in stages.items() if v.get("reused")],
     }
-    cands = fid.get("candidates", {})
+    cands = {label: c.get("metrics", {}) for label, c in fid.get("candidates", {}).items()}
     if fid:
         out["ppl_pytorch"] = {"dense": fid.get("dense", {}).get("ppl")}
         for label, m in cands.items():
@@ -50,18 +50,35 @@ def _fmt(v: Any) -> str:
 
 
 def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
-    lines = [f"build folder      {root}", f"exported model    {summary.get('exported')} ({summary.get('export_size_mib')} MiB)",
-             f"sparsity          {_fmt(summary.get('sparsity'))} ({summary.get('pattern')}), recovered with {summary.get('recovered_with')}"]
-    for key, title in (("ppl_pytorch", "perplexity torch"), ("ppl_runtime", f"perplexity {summary.get('runtime', 'runtime')}"),
-                       ("kl_mean", "KL(dense||x) mean"), ("top1", "top-1 agreement"), ("tg_tps", "generation tok/s"),
-                       ("pp_tps", "prompt tok/s")):
-        if summary.get(key):
-            lines.append(f"{title:<18}" + "  ".join(f"{k}={_fmt(v)}" for k, v in summary[key].items()))
+    """Human-readable summary: where things are, then one row per model with its key numbers."""
+    lines = [f"build folder     {root}",
+             f"exported model   {summary.get('exported')} ({summary.get('export_size_mib')} MiB)",
+             f"sparsity         {_fmt(summary.get('sparsity'))} ({summary.get('pattern')}), recovered with {summary.get('recovered_with')}",
+             ""]
+    runtime = summary.get("runtime", "runtime")
+    cols = [("ppl_pytorch", "ppl torch"), ("ppl_runtime", f"ppl {runtime}"), ("kl_mean", "KL mean"),
+            ("top1", "top-1"), ("tg_tps", "gen tok/s"), ("pp_tps", "prompt tok/s")]
+    labels: list[str] = []
+    for key, _ in cols:
+        for label in summary.get(key) or {}:
+            if label not in labels:
+                labels.append(label)
+    rows = [["model"] + [title for _, title in cols]]
+    for label in labels:
+        rows.append([label] + [_fmt((summary.get(key) or {}).get(label)) for key, _ in cols])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines.append("")
     gates = summary.get("gates") or []
     if gates:
-        lines.append("gates             " + "  ".join(
+        lines.append("gates            " + "  ".join(
             f"{g.get('name')}: {'pass' if g.get('passed') else 'FAIL'} ({_fmt(g.get('value'))} vs {_fmt(g.get('threshold'))})" for g in gates))
+    else:
+        lines.append("gates            none set (--max-kl, --min-top1, --max-ppl-ratio)")
     walls = summary.get("stage_wall_s", {})
     reused = set(summary.get("stage_reused", []))
-    lines.append("stages            " + "  ".join(f"{k}={'reused' if k in reused else _fmt(v) + 's'}" for k, v in walls.items()))
+    lines.append("stages           " + "  ".join(f"{k}={'reused' if k in reused else _fmt(v) + 's'}" for k, v in walls.items()))
     return lines
