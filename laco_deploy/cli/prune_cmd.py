@@ -39,6 +39,7 @@ def prune_command(
     blocksize: Annotated[int, typer.Option("--blocksize", help="SparseGPT: columns per lazy-update block.")] = _P.sparsegpt_blocksize,
     offload: Annotated[str, typer.Option("--offload", help="Where calibration activations live: cpu (RAM) or disk (memory-mapped).")] = _P.offload,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUT.ckpt (same settings).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result record as JSON instead of the summary.")] = False,
     device: DeviceOpt = _M.device,
     allow_pickle: AllowPickleOpt = False,
     calib: CalibOpt = _D.calib,
@@ -61,6 +62,11 @@ def prune_command(
                        sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload)
     check(pcfg.validate())
     result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
     console.print(f"pruned       {result.settings['model']} with {pcfg.method}, {result.pattern}")
     console.print(f"sparsity     {result.sparsity:.2%} realised over the pruned matrices")
     console.print(f"time         {result.wall_s:.1f} s")

@@ -13,7 +13,9 @@ Formulas:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 
@@ -101,6 +103,21 @@ def _block_mask(w1: torch.Tensor, d: torch.Tensor, target: int) -> torch.Tensor:
     return mask.scatter_(1, idx, True)
 
 
+@contextlib.contextmanager
+def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+    """SparseGPT runs thousands of tiny ops and small factorisations; on CPU, intra-op threads
+    mostly add synchronisation (measured 5-50x slower on a busy 2-core machine), so use one."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, *, ratio: float = 0.5, n: int = 0, m: int = 0,
                     blocksize: int = 128, damp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
     """SparseGPT: prune W column by column, updating the not yet visited columns to compensate.
@@ -116,11 +133,20 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, *, ratio: float
     the M-N lowest errors of each row.
     """
     w = weight.detach().clone().to(torch.float32)
-    rows, cols = w.shape
-    u = damped_hessian_inverse_chol(hessian, w, damp).to(torch.float32)
     if n > 0:
         blocksize = max(m, blocksize - blocksize % m)  # N:M groups never straddle two blocks
-    mask = torch.zeros((rows, cols), dtype=torch.bool, device=w.device)
+    mask = torch.zeros(w.shape, dtype=torch.bool, device=w.device)
+    with _one_cpu_thread(w.device):
+        u = damped_hessian_inverse_chol(hessian, w, damp).to(torch.float32)
+        _sparsegpt_blocks(w, u, mask, ratio=ratio, n=n, m=m, blocksize=blocksize)
+    w.masked_fill_(mask, 0.0)
+    return w.to(weight.dtype), mask
+
+
+def _sparsegpt_blocks(w: torch.Tensor, u: torch.Tensor, mask: torch.Tensor, *, ratio: float, n: int, m: int,
+                      blocksize: int) -> None:
+    """The blockwise OBS sweep of `sparsegpt_prune`, updating w [out, in] and mask in place."""
+    cols = w.shape[1]
     total = prune_count(cols, ratio) if n == 0 else 0
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
@@ -150,8 +176,6 @@ def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, *, ratio: float
         w[:, i1:i2] = w1
         mask[:, i1:i2] = mask1
         w[:, i2:] -= err1 @ u[i1:i2, i2:]
-    w.masked_fill_(mask, 0.0)
-    return w.to(weight.dtype), mask
 
 
 def _cum_target(total: int, cols: int, upto: int) -> int:
