@@ -47,6 +47,7 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = gguf_model.read_config(model_dir)
     plan = gguf_model.plan_model(config)
+    gguf_model.safetensor_files(model_dir)  # fail before writing anything
     laco = {**(config.get(LACO_PREFIX) or {}), **(metadata or {})}
     spec = QUANTS[quant]
     with atomic_path(out_path) as tmp:

@@ -168,7 +168,7 @@ def permute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, 2, d // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def _safetensor_files(model_dir: Path) -> list[Path]:
+def safetensor_files(model_dir: Path) -> list[Path]:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         pickles = list(Path(model_dir).glob("*.bin"))
@@ -182,7 +182,7 @@ def iter_tensors(model_dir: Path, plan: ModelPlan) -> Iterator[tuple[str, np.nda
     from safetensors import safe_open
 
     names = gguf.get_tensor_name_map(plan.spec.arch, plan.n_layers)
-    for path in _safetensor_files(model_dir):
+    for path in safetensor_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 if key.endswith(SKIPPED_SUFFIXES) or (plan.tied and key == "lm_head.weight"):

@@ -111,7 +111,8 @@ def _load_hf_tokenizer(model_dir: Path):
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, TypeError) as e:
-        raise ExportError(f"cannot load the tokenizer in {model_dir}: {e}; save it with tokenizer.save_pretrained") from e
+        reason = " ".join(str(e).split())
+        raise ExportError(f"cannot load the tokenizer in {model_dir} ({reason}); save it with tokenizer.save_pretrained") from e
 
 
 def _backend_json(tok) -> dict | None:

@@ -120,9 +120,10 @@ class LlamaCppRunner:
         """Logits after the last evaluated token. [vocab] float32 (a view into llama.cpp's buffer)."""
         return np.ctypeslib.as_array(self.llm._ctx.get_logits_ith(-1), shape=(self.n_vocab,))
 
-    def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
-        """llama.cpp's own tokenizer; BOS/EOS added exactly when the model says so."""
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=False))
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        """llama.cpp's own tokenizer; BOS/EOS added exactly when the model says so (add_special);
+        parse_special: turn special-token text such as <|im_start|> into its id (as HF does)."""
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=parse_special))
 
     def metadata(self) -> dict[str, str]:
         return dict(self.llm.metadata)
