@@ -6,6 +6,8 @@ stay on CPU and activations live in an ActivationCache on CPU or memory-mapped o
 
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
-from laco_deploy.engine.walk import LayerContext, Paths, walk_layers
+from laco_deploy.engine.lazy import LazyModel
+from laco_deploy.engine.walk import LayerContext, LayerLoader, Paths, walk_layers
 
-__all__ = ["ActivationCache", "LayerInputs", "capture_layer_inputs", "LayerContext", "Paths", "walk_layers"]
+__all__ = ["ActivationCache", "LayerInputs", "capture_layer_inputs", "LayerContext", "LayerLoader", "LazyModel", "Paths",
+           "walk_layers"]

@@ -17,7 +17,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,6 +30,14 @@ from laco_deploy.fsutil import atomic_path, write_json
 from laco_deploy.models import decoder_layers
 
 log = logging.getLogger(__name__)
+
+
+class LayerLoader(Protocol):
+    """Brings decoder layer i into memory (`load`) and out again (`release`); see engine.lazy."""
+
+    def load(self, i: int, layer: torch.nn.Module) -> None: ...
+
+    def release(self, i: int, layer: torch.nn.Module) -> None: ...
 
 
 class Paths(enum.Enum):
@@ -120,10 +128,14 @@ def walk_layers(
     resume: bool = False,
     desc: str = "",
     on_layer_done: Callable[[int, dict, ActivationCache, ActivationCache | None], None] | None = None,
+    layer_loader: LayerLoader | None = None,
+    dense_loader: LayerLoader | None = None,
 ) -> list[dict]:
     """Process every decoder layer of `model` in order; return the step's record per layer.
 
     `on_layer_done(i, record, sparse_out, dense_out)` sees each layer's outputs (fidelity curves).
+    `layer_loader` / `dense_loader` (e.g. engine.lazy.LazyModel) bring layer i in from disk before
+    it runs and put it back after, for models that do not fit in RAM.
     """
     if paths is Paths.BOTH and dense_model is None:
         raise ValueError("Paths.BOTH needs dense_model")
@@ -144,6 +156,10 @@ def walk_layers(
     bar = tqdm(range(len(layers)), desc=desc or "layers", unit="layer", dynamic_ncols=True)
     for i in bar:
         bar.set_description(f"layer {i + 1}/{len(layers)} {desc}".strip())
+        if layer_loader is not None:
+            layer_loader.load(i, layers[i])
+        if dense_loader is not None and paths is Paths.BOTH:
+            dense_loader.load(i, dense_layers[i])
         layer = layers[i].to(device)
         dense_layer = dense_layers[i].to(device) if paths is Paths.BOTH else None
         ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs, device, batch_size, dense_layer, dense_in,
@@ -168,6 +184,10 @@ def walk_layers(
         layers[i].to("cpu")
         if dense_layer is not None:
             dense_layers[i].to("cpu")
+        if layer_loader is not None:
+            layer_loader.release(i, layers[i])
+        if dense_loader is not None and dense_layer is not None:
+            dense_loader.release(i, dense_layers[i])
         sparse_in, sparse_out = sparse_out, sparse_in
         if dense_in is not None:
             dense_in, dense_out = dense_out, dense_in

@@ -57,10 +57,11 @@ def _outlier_step(cfg: PruneConfig):
 
 
 def layer_ratios(model, inputs: LayerInputs, cfg: PruneConfig, *, device: torch.device, batch_size: int,
-                 cache_file: Path | None = None, resume: bool = False) -> list[float]:
+                 cache_file: Path | None = None, resume: bool = False, loader=None) -> list[float]:
     """Sparsity ratio per decoder layer: uniform, or OWL's when cfg.owl (needs one extra dense pass).
 
-    With `resume`, ratios computed by the interrupted run are reused from `cache_file`.
+    With `resume`, ratios computed by the interrupted run are reused from `cache_file`. `loader`:
+    the engine's layer loader when layers live on disk.
     """
     n_layers = model.config.num_hidden_layers
     if not cfg.owl:
@@ -72,7 +73,7 @@ def layer_ratios(model, inputs: LayerInputs, cfg: PruneConfig, *, device: torch.
     probe = inputs.hidden.clone_empty()
     probe.copy_from(inputs.hidden)  # the walk overwrites its buffers; keep the embeddings for pruning
     records = walk_layers(model, LayerInputs(probe, inputs.kwargs), _outlier_step(cfg), paths=Paths.SPARSE,
-                          device=device, batch_size=batch_size, desc="owl outliers")
+                          device=device, batch_size=batch_size, desc="owl outliers", layer_loader=loader)
     ratios = owl_ratios([r["outliers"] for r in records], cfg.sparsity, cfg.owl_lambda)
     log.info("OWL layer ratios: %s", [round(r, 4) for r in ratios])
     if cache_file is not None:

@@ -10,17 +10,20 @@ import json
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from laco_deploy import data as data_mod
 from laco_deploy.artifacts import ModelDirResult
 from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig, to_dict
-from laco_deploy.engine import Paths, capture_layer_inputs, walk_layers
+from laco_deploy.engine import LazyModel, Paths, capture_layer_inputs, walk_layers
 from laco_deploy.errors import ConfigError
 from laco_deploy.memory import measure
-from laco_deploy.models import linear_modules, load_model, resolve_device, save_model
+from laco_deploy.models import (check_architecture, ensure_default_converted, ensure_gguf_converted, linear_modules,
+                                load_model, resolve_device, save_model)
 from laco_deploy.prune import owl, record, step, structural
 
 log = logging.getLogger(__name__)
@@ -44,9 +47,9 @@ def _calibration_record(data_cfg: DataConfig) -> dict:
     return {"calib": data_cfg.calib, "samples": data_cfg.samples, "seqlen": data_cfg.seqlen, "seed": data_cfg.seed}
 
 
-def _fingerprint(loaded, data_cfg: DataConfig, prune_cfg: PruneConfig) -> dict:
+def _fingerprint(ident: str, data_cfg: DataConfig, prune_cfg: PruneConfig) -> dict:
     """What must match for --resume to reuse checkpoints (JSON-normalised: tuples become lists)."""
-    fp = {"stage": "prune", "model": str(loaded.path or loaded.source), "data": _calibration_record(data_cfg),
+    fp = {"stage": "prune", "model": ident, "data": _calibration_record(data_cfg),
           "prune": to_dict(prune_cfg)}
     return json.loads(json.dumps(fp))
 
@@ -58,6 +61,61 @@ def _make_step(prune_cfg: PruneConfig, ratios: list[float]):
     return lambda ctx: step.prune_layer(ctx, prune_cfg, ratios[ctx.index])
 
 
+@dataclass
+class _Source:
+    model: Any  # transformers causal LM (on `meta` except non-layer weights when lazy)
+    tokenizer: Any
+    source: str  # what the user passed
+    ident: str  # the local directory the weights come from (resume fingerprint)
+    lazy: LazyModel | None  # set with --offload disk: layers streamed from safetensors
+
+
+def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
+    """The dense model: fully in RAM (offload cpu) or as a skeleton with layers on disk (offload disk)."""
+    if offload != "disk":
+        loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle,
+                            trust_remote_code=model_cfg.trust_remote_code)
+        return _Source(loaded.model, loaded.tokenizer, loaded.source, str(loaded.path or loaded.source), None)
+    from transformers import AutoTokenizer
+
+    path = local_model_dir(model_cfg.model)
+    lazy = LazyModel.open(path, spill_dir=ckpt / "spill")
+    check_architecture(lazy.model.config)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    return _Source(lazy.model, tok, model_cfg.model, str(path), lazy)
+
+
+def local_model_dir(spec: str) -> Path:
+    """The local HF directory behind a model spec, without loading it (GGUF: converted once)."""
+    if spec == "default":
+        return ensure_default_converted()
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ensure_gguf_converted(path)
+    raise ConfigError(f"--offload disk streams layers from a local model; {spec!r} is not a Hugging Face directory, "
+                      "a .gguf file or 'default' (use --offload cpu for hub ids)")
+
+
+def _dense_numel(model) -> dict[str, int]:
+    return {f"model.layers.{i}.{name}": lin.weight.numel() for i, layer in enumerate(model.model.layers)
+            for name, lin in linear_modules(layer, PRUNABLE_LINEARS).items()}
+
+
+def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, fingerprint: dict, ckpt: Path, *,
+                  resume: bool, device: torch.device) -> tuple[list[dict], list[float]]:
+    """Capture layer-0 inputs, pick the per-layer ratios, walk the layers with the prune step."""
+    inputs = capture_layer_inputs(src.model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
+    ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=BATCH_SIZE,
+                              cache_file=ckpt / "owl.json", resume=resume,
+                              loader=src.lazy.without_spill() if src.lazy is not None else None)
+    records = walk_layers(src.model, inputs, _make_step(prune_cfg, ratios), paths=Paths.SPARSE, device=device,
+                          batch_size=BATCH_SIZE, checkpoint_dir=ckpt, fingerprint=fingerprint, resume=resume,
+                          desc="prune", layer_loader=src.lazy)
+    return records, ratios
+
+
 def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, out_dir: Path, *,
         resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
     """Prune the dense model of `model_cfg` and write it to `out_dir` (HF dir + sparsity.json)."""
@@ -65,42 +123,35 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
     out_dir = Path(out_dir)
     device = device if device is not None else resolve_device(model_cfg.device)
     ckpt = checkpoint_dir(out_dir)
-    log.info("prune settings: %s; calibration: %s; device %s", to_dict(prune_cfg), _calibration_record(data_cfg), device)
+    calib = _calibration_record(data_cfg)
+    log.info("prune settings: %s; calibration: %s; device %s", to_dict(prune_cfg), calib, device)
     t0 = time.perf_counter()
     with measure(device) as meas:
-        loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle,
-                            trust_remote_code=model_cfg.trust_remote_code)
-        model, tok = loaded.model, loaded.tokenizer
+        src = _open_source(model_cfg, prune_cfg.offload, ckpt)
         if prune_cfg.structured is not None:
-            structural.check_feasible(model.config, prune_cfg)
-        ids = data_mod.calibration_samples(tok, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)
-        fingerprint = _fingerprint(loaded, data_cfg, prune_cfg)
+            structural.check_feasible(src.model.config, prune_cfg)
+        ids = data_mod.calibration_samples(src.tokenizer, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)
         ckpt.mkdir(parents=True, exist_ok=True)
-        inputs = capture_layer_inputs(model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
-        dense_numel = {f"model.layers.{i}.{name}": lin.weight.numel()
-                       for i, layer in enumerate(model.model.layers)
-                       for name, lin in linear_modules(layer, PRUNABLE_LINEARS).items()}
-        ratios = owl.layer_ratios(model, inputs, prune_cfg, device=device, batch_size=BATCH_SIZE,
-                                  cache_file=ckpt / "owl.json", resume=resume)
-        records = walk_layers(model, inputs, _make_step(prune_cfg, ratios), paths=Paths.SPARSE, device=device,
-                              batch_size=BATCH_SIZE, checkpoint_dir=ckpt, fingerprint=fingerprint, resume=resume,
-                              desc="prune")
-        del inputs
+        dense_numel = _dense_numel(src.model)
+        records, ratios = _prune_layers(src, ids, prune_cfg, _fingerprint(src.ident, data_cfg, prune_cfg), ckpt,
+                                        resume=resume, device=device)
         overall = record.summarize(records, dense_numel)
-        calib = _calibration_record(data_cfg)
         if prune_cfg.structured is not None:
-            structural.record_widths(model.config, records)
-        model.config.laco_deploy = record.config_summary(prune_cfg, overall, calib)
+            structural.record_widths(src.model.config, records)
+        src.model.config.laco_deploy = record.config_summary(prune_cfg, overall, calib)
         doc = record.sparsity_document(prune_cfg, records, overall, calib, time.perf_counter() - t0)
-        save_model(model, tok, out_dir, extra_files={record.SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+        extra = {record.SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"}
+        if src.lazy is not None:
+            src.lazy.save(out_dir, src.tokenizer, extra_files=extra)
+        else:
+            save_model(src.model, src.tokenizer, out_dir, extra_files=extra)
     shutil.rmtree(ckpt, ignore_errors=True)
     log.info("pruned model written to %s (sparsity %.4f)", out_dir, overall["sparsity"])
     m = meas.to_dict()
     return ModelDirResult(
         model_dir=str(out_dir), stage="prune", sparsity=overall["sparsity"], pattern=record.pattern_label(prune_cfg),
-        settings={"prune": to_dict(prune_cfg), "calibration": calib, "model": loaded.source},
+        settings={"prune": to_dict(prune_cfg), "calibration": calib, "model": src.source},
         per_layer=[{k: v for k, v in r.items() if k != "matrices"} for r in records],
         wall_s=m["wall_s"], peak_mib=m["peak_mib"], memory_kind=m["memory_kind"],
         notes=[f"layer ratios (OWL): {[round(r, 4) for r in ratios]}"] if prune_cfg.owl else [],
     )
-

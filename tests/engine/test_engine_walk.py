@@ -137,3 +137,37 @@ def test_activation_cache_on_disk(tmp_path):
     assert twin.offload == "disk" and len(list(tmp_path.iterdir())) == 2
     twin.copy_from(cache)
     assert torch.equal(twin.data, cache.data)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_lazy_model_streams_one_layer_at_a_time(fixture, request, tmp_path):
+    from laco_deploy.engine import LazyModel
+
+    src = request.getfixturevalue(fixture)
+    lazy = LazyModel.open(src, spill_dir=tmp_path / "spill")
+    layers = lazy.model.model.layers
+    assert all(p.is_meta for p in layers.parameters())
+    ids = _ids(3)
+    on_device = []
+
+    def step(ctx):
+        on_device.append([not next(l.parameters()).is_meta for l in layers])
+        return _zero_first_rows(ctx)
+
+    seen = []
+    walk_layers(lazy.model, capture_layer_inputs(lazy.model, ids, CPU), step, paths=Paths.SPARSE, device=CPU,
+                layer_loader=lazy, on_layer_done=lambda i, r, s, d: seen.append(s.data.clone()))
+    assert on_device == [[True, False], [False, True]]
+    assert all(p.is_meta for p in layers.parameters())
+    eager = load_model(str(src)).model
+    eager_seen = []
+    walk_layers(eager, capture_layer_inputs(eager, ids, CPU), _zero_first_rows, paths=Paths.SPARSE, device=CPU,
+                on_layer_done=lambda i, r, s, d: eager_seen.append(s.data.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(seen, eager_seen))
+    lazy.save(tmp_path / "out", None)  # sharded, without a tokenizer
+    from transformers import AutoModelForCausalLM
+
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, tensor in eager.state_dict().items():
+        assert torch.equal(saved[name], tensor), name

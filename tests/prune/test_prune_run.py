@@ -20,7 +20,11 @@ def _run(data, src, out, **prune):
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
+    """All tensors of a saved model (one file or shards)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 
 @pytest.mark.parametrize("method", ["magnitude", "wanda", "sparsegpt"])
@@ -96,7 +100,7 @@ def test_second_layer_is_scored_on_the_pruned_first_layer_outputs(data_cfg, tiny
 
 
 @pytest.mark.parametrize("prune", [dict(method="sparsegpt", sparsity=0.5), dict(method="wanda", owl=True),
-                                   dict(structured=0.3)])
+                                   dict(structured=0.3), dict(method="sparsegpt", pattern="2:4", offload="disk")])
 def test_resume_equals_uninterrupted(data_cfg, tiny_llama_dir, tmp_path, monkeypatch, prune):
     ref = tmp_path / "ref"
     _run(data_cfg, tiny_llama_dir, ref, **prune)
@@ -142,11 +146,17 @@ def test_resume_with_other_settings_is_refused(data_cfg, tiny_llama_dir, tmp_pat
         run(ModelConfig(model=str(tiny_llama_dir)), data_cfg, PruneConfig(sparsity=0.6), out, resume=True)
 
 
-def test_disk_offload_gives_the_same_weights(data_cfg, tiny_llama_dir, tmp_path):
-    _run(data_cfg, tiny_llama_dir, tmp_path / "cpu", method="wanda")
-    _run(data_cfg, tiny_llama_dir, tmp_path / "disk", method="wanda", offload="disk")
-    a, b = _weights(tmp_path / "cpu"), _weights(tmp_path / "disk")
+@pytest.mark.parametrize("prune", [dict(method="wanda"), dict(method="sparsegpt", owl=True), dict(structured=0.3)])
+def test_disk_offload_gives_the_same_weights(data_cfg, tiny_llama_untied_dir, tmp_path, prune):
+    """--offload disk streams layers from safetensors and writes shards; the weights are the same."""
+    _run(data_cfg, tiny_llama_untied_dir, tmp_path / "cpu", **prune)
+    _run(data_cfg, tiny_llama_untied_dir, tmp_path / "disk", offload="disk", **prune)
+    assert (tmp_path / "disk" / "model.safetensors.index.json").is_file()
+    a, b = load_model(str(tmp_path / "cpu")).model.state_dict(), load_model(str(tmp_path / "disk")).model.state_dict()
+    assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    doc_a, doc_b = (json.loads((tmp_path / d / "sparsity.json").read_text()) for d in ("cpu", "disk"))
+    assert doc_a["matrices"] == doc_b["matrices"]
 
 
 @pytest.mark.parametrize("prune,message", [

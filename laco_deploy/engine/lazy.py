@@ -1,0 +1,157 @@
+"""Models larger than RAM: decoder layers streamed from the safetensors files, one at a time.
+
+`LazyModel.open(dir)` builds the model on the `meta` device (no memory) and loads only what is
+not a decoder layer (embeddings, final norm, LM head, rotary tables). `walk_layers(...,
+layer_loader=lazy)` then materialises layer i from disk just before its step and, after it,
+writes the (pruned / compensated) layer to a spill file and returns it to `meta`. `save()`
+assembles a sharded Hugging Face directory (one shard per layer plus one for the rest, with
+`model.safetensors.index.json`) from the spill files, again one layer in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from laco_deploy.errors import ModelError
+from laco_deploy.fsutil import atomic_dir, atomic_path
+
+log = logging.getLogger(__name__)
+INDEX = "model.safetensors.index.json"
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Map tensor name -> the safetensors file holding it."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{path} has no *.safetensors; --offload disk streams layers from safetensors files only")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                where[key] = f
+    return where
+
+
+def _read(where: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(where[n], []).append(n)
+    out = {}
+    for f, keys in by_file.items():
+        with safe_open(str(f), framework="pt") as handle:
+            for k in keys:
+                out[k] = handle.get_tensor(k).to(torch.float32)
+    return out
+
+
+class LazyModel:
+    """A causal LM whose decoder layers live on disk until `load(i)`; see the module docstring."""
+
+    def __init__(self, model, path: Path, where: dict[str, Path], spill_dir: Path | None):
+        self.model = model
+        self.path = path
+        self._where = where
+        self.spill_dir = spill_dir
+        self._spilled: set[int] = set()
+
+    @classmethod
+    def open(cls, path: Path, spill_dir: Path | None = None) -> "LazyModel":
+        """Build the skeleton on `meta`, load the non-layer weights on CPU. spill_dir: where
+        processed layers go (None: processed layers are dropped, e.g. for a frozen dense twin)."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from laco_deploy import structured
+
+        path = Path(path)
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if structured.has_layer_widths(config):
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            for layer, width in zip(model.model.layers, structured.layer_widths(config)):
+                structured.shrink_layer(layer, width, head_dim)
+        where = _tensor_files(path)
+        for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
+            module.to_empty(device="cpu")
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # recompute its tables on CPU
+        rest = [n for n, _ in model.named_parameters() if not n.startswith("model.layers.") and n in where]
+        model.load_state_dict(_read(where, rest), strict=False)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        elif "lm_head.weight" not in where:
+            raise ModelError(f"{path}: lm_head.weight missing and embeddings are not tied; the checkpoint is incomplete")
+        model.eval()
+        if spill_dir is not None:
+            Path(spill_dir).mkdir(parents=True, exist_ok=True)
+        return cls(model, path, where, spill_dir)
+
+    def without_spill(self) -> "LazyModel":
+        """A loader over the same model that drops layers after use (read-only passes, dense twins)."""
+        return LazyModel(self.model, self.path, self._where, None)
+
+    def load(self, i: int, layer: torch.nn.Module) -> None:
+        """Materialise decoder layer i on CPU from the source files (or its spill file)."""
+        spill = self._spill_path(i)
+        layer.to_empty(device="cpu")
+        if spill is not None and i in self._spilled:
+            with safe_open(str(spill), framework="pt") as handle:
+                state = {k: handle.get_tensor(k) for k in handle.keys()}
+        else:
+            prefix = f"model.layers.{i}."
+            names = [prefix + k for k in layer.state_dict()]
+            state = {k[len(prefix):]: v for k, v in _read(self._where, names).items()}
+        _assign(layer, state)
+
+    def release(self, i: int, layer: torch.nn.Module) -> None:
+        """Spill the processed layer to disk (when a spill dir is set) and return it to `meta`."""
+        spill = self._spill_path(i)
+        if spill is not None:
+            with atomic_path(spill) as tmp:
+                save_file({k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}, str(tmp))
+            self._spilled.add(i)
+        layer.to("meta")
+
+    def _spill_path(self, i: int) -> Path | None:
+        return Path(self.spill_dir) / f"spill_{i:03d}.safetensors" if self.spill_dir is not None else None
+
+    def save(self, out_dir: Path, tokenizer: Any, extra_files: dict[str, str] | None = None) -> None:
+        """Write a sharded HF directory from the spilled layers (one layer in memory at a time)."""
+        layers = self.model.model.layers
+        weight_map: dict[str, str] = {}
+        total = 0
+        with atomic_dir(Path(out_dir)) as tmp:
+            for i, layer in enumerate(layers):
+                self.load(i, layer)
+                shard = f"model-layer-{i:03d}.safetensors"
+                state = {f"model.layers.{i}.{k}": v.detach().contiguous() for k, v in layer.state_dict().items()}
+                save_file(state, str(tmp / shard), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(state, shard))
+                total += sum(v.numel() * v.element_size() for v in state.values())
+                layer.to("meta")
+            rest = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()
+                    if not k.startswith("model.layers.") and not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)}
+            save_file(rest, str(tmp / "model-rest.safetensors"), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(rest, "model-rest.safetensors"))
+            total += sum(v.numel() * v.element_size() for v in rest.values())
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            self.model.config.save_pretrained(tmp)
+            if self.model.generation_config is not None:
+                self.model.generation_config.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            for name, text in (extra_files or {}).items():
+                (tmp / name).write_text(text)
+
+
+def _assign(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    missing, unexpected = layer.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ModelError(f"layer weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
