@@ -55,7 +55,7 @@ def parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS) -> d
 
     loaded = load_model(str(model_dir))
     stream = evaluation_stream(loaded.tokenizer, "builtin", max_tokens=n_tokens)
-    runner = LlamaCppRunner(gguf_path, n_ctx=max(n_tokens, 16))
+    runner = LlamaCppRunner(gguf_path, threads=1, n_ctx=max(n_tokens, 16))  # a check, not a speed run: 1 thread is robust on busy machines
     try:
         ref = TorchRunner(loaded.model).logits(stream)
         cand = runner.logits(stream)

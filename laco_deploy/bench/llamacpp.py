@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from laco_deploy.artifacts import BenchResult
 from laco_deploy.bench.llamacpp_probe import EXTRA_BUFFERS_NOTE, extra_buffers_work, model_params
@@ -109,12 +108,18 @@ class LlamaCppRunner:
         self.llm.reset()
         self.llm.eval(ids)
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        ids = [int(i) for i in input_ids.reshape(-1).tolist()]
+    def logits(self, input_ids):
+        """input_ids: torch.Tensor [seq] int64 -> torch.Tensor [seq, vocab] float32."""
+        import torch
+
+        return torch.from_numpy(self.logits_np([int(i) for i in input_ids.reshape(-1).tolist()]))
+
+    def logits_np(self, ids: list[int]) -> np.ndarray:
+        """The same without torch (the benchmark worker does not import it). [seq, vocab] float32."""
         if not self.llm._logits_all:
             raise ConfigError("this LlamaCppRunner was built with logits_all=False; build it with logits_all=True")
         self._eval(ids)
-        return torch.from_numpy(np.array(self.llm.scores[: len(ids)], dtype=np.float32, copy=True))
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32, copy=True)
 
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token. [vocab] float32 (a view into llama.cpp's buffer)."""
@@ -155,7 +160,7 @@ def perplexity(runner: LlamaCppRunner, tokens: list[int], n_ctx: int, windows: i
         window = list(tokens[i * n_ctx : (i + 1) * n_ctx])
         if runner.add_bos:
             window[0] = runner.bos_id
-        logits = runner.logits(torch.tensor(window)).numpy()
+        logits = runner.logits_np(window)
         nll.append(window_nll(logits, window, n_ctx // 2))
     all_nll = np.concatenate(nll)
     return {"ppl": float(math.exp(all_nll.mean())), "ppl_tokens": int(all_nll.size), "ppl_windows": n}
@@ -236,11 +241,11 @@ def measure_model(path: Path, text: str, cfg: BenchConfig, threads: int, n_gpu_l
 
 
 def _worker(job_file: str) -> None:
+    """Child-process entry: measure one model, write its metrics as JSON (no torch import here)."""
     job = json.loads(Path(job_file).read_text())
-    from laco_deploy.data import load_texts
     from laco_deploy.fsutil import write_json
 
-    text = "\n\n".join(load_texts(job["eval_spec"], "eval"))
+    text = Path(job["text"]).read_text(encoding="utf-8")
     cfg = BenchConfig(**job["cfg"])
     result = measure_model(Path(job["path"]), text, cfg, job["threads"], job["n_gpu_layers"], job["extra_buffers"])
     write_json(Path(job["out"]), result)
@@ -260,11 +265,12 @@ def _gpu_layers(device: str) -> int:
     return -1
 
 
-def _run_one(label: str, path: Path, eval_spec: str, cfg: BenchConfig, threads: int, n_gpu_layers: int,
+def _run_one(label: str, path: Path, text: str, cfg: BenchConfig, threads: int, n_gpu_layers: int,
              extra_buffers: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="laco-llamacpp-") as work:
-        job, out = Path(work) / "job.json", Path(work) / "result.json"
-        job.write_text(json.dumps({"path": str(Path(path).resolve()), "eval_spec": eval_spec, "cfg": to_dict(cfg),
+        job, out, text_file = Path(work) / "job.json", Path(work) / "result.json", Path(work) / "eval.txt"
+        text_file.write_text(text, encoding="utf-8")
+        job.write_text(json.dumps({"path": str(Path(path).resolve()), "text": str(text_file), "cfg": to_dict(cfg),
                                    "threads": threads, "n_gpu_layers": n_gpu_layers, "extra_buffers": extra_buffers,
                                    "out": str(out)}))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -286,23 +292,26 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
     import llama_cpp
     from tqdm import tqdm
 
+    from laco_deploy.data import load_texts
+
+    text = "\n\n".join(load_texts(eval_spec, "eval"))  # documents as in the file llama-perplexity would read
     threads = cfg.threads or physical_cores()
     n_gpu_layers = _gpu_layers(device)
     extra_buffers = extra_buffers_work()
     results: dict[str, dict[str, Any]] = {}
     for label, path in tqdm(list(models.items()), desc="llama.cpp bench", unit="model"):
-        results[label] = _run_one(label, Path(path), eval_spec, cfg, threads, n_gpu_layers, extra_buffers)
+        results[label] = _run_one(label, Path(path), text, cfg, threads, n_gpu_layers, extra_buffers)
     ref = next(iter(results.values()))
     for metrics in results.values():
         metrics["tg_speedup"] = metrics["tg_tps"]["median"] / ref["tg_tps"]["median"]
         metrics["pp_speedup"] = metrics["pp_tps"]["median"] / ref["pp_tps"]["median"]
     notes = [NO_SPEEDUP_NOTE] + ([] if extra_buffers else [EXTRA_BUFFERS_NOTE])
     for label, m in results.items():
-        if m.get("pattern") and "structured" not in str(m["pattern"]):
+        if m.get("pattern") and m["pattern"] != "structured":  # "unstructured" or "N:M"
             notes.append(f"{label}: {m['pattern']} sparsity; its speed equals a dense model of the same type on llama.cpp")
     environment = {"threads": threads, "device": device, "n_gpu_layers": n_gpu_layers,
                    "llama_cpp_python": llama_cpp.__version__, "extra_buffers": extra_buffers, "cpu": _cpu_name(),
-                   "physical_cores": physical_cores()}
+                   "physical_cores": physical_cores(), "load_avg_1m": round(os.getloadavg()[0], 2)}
     return BenchResult(runtime="llama.cpp", environment=environment, protocol=_protocol(cfg, eval_spec),
                        models=results, notes=notes)
 
