@@ -92,7 +92,8 @@ def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
         raise ExportError(f"{cfg_file} is not valid JSON ({e.msg}); re-save the model") from e
     archs = raw.get("architectures") or [raw.get("model_type")]
     if not any(a in SUPPORTED_ARCHITECTURES or a in SUPPORTED_ARCHITECTURES.values() for a in archs):
-        raise ExportError(f"cannot export architecture {', '.join(map(str, archs))} to ONNX; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ExportError(f"cannot export architecture {', '.join(map(str, archs))} to ONNX; supported: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}: pass a model of one of these families")
     if out_dir.is_file():
         raise ExportError(f"--out {out_dir} is a file; the ONNX export writes a folder: pass a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MODEL_FILE).is_file():
