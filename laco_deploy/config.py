@@ -64,8 +64,9 @@ class PruneConfig:
     owl: bool = False  # outlier-weighted non-uniform per-layer ratios
     owl_lambda: float = 0.08  # max deviation of a layer's ratio from the mean
     owl_m: float = 5.0  # outlier threshold, multiples of the mean score
-    offload: str = "cpu"  # where activations live: cpu | disk
+    offload: str = "cpu"  # cpu: all in RAM | disk: memory-mapped activations, layers streamed from safetensors
     structured_metric: str = "wanda"  # channel/head-group importance: wanda | fluctuation (FLAP)
+    batch_size: int = 8  # calibration samples per layer call (memory ~ batch * seqlen * FFN width)
 
     def validate(self) -> list[str]:
         errs = []
@@ -102,6 +103,8 @@ class PruneConfig:
             errs.append(f"--damp {self.sparsegpt_damp} must be in [0, 1); 0.01 is the paper's value")
         if self.sparsegpt_blocksize < 1:
             errs.append(f"--blocksize {self.sparsegpt_blocksize} must be at least 1; 128 is the paper's value")
+        if self.batch_size < 1:
+            errs.append(f"--batch-size {self.batch_size} must be at least 1")
         if self.structured_metric not in ("wanda", "fluctuation"):
             errs.append(f"--structured-metric {self.structured_metric!r} is not one of wanda, fluctuation")
         return errs

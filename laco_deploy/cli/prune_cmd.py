@@ -37,7 +37,8 @@ def prune_command(
     owl_m: Annotated[float, typer.Option("--owl-m", help="OWL: outlier threshold in multiples of the mean score.")] = _P.owl_m,
     damp: Annotated[float, typer.Option("--damp", help="SparseGPT: Hessian damping as a share of its mean diagonal.")] = _P.sparsegpt_damp,
     blocksize: Annotated[int, typer.Option("--blocksize", help="SparseGPT: columns per lazy-update block.")] = _P.sparsegpt_blocksize,
-    offload: Annotated[str, typer.Option("--offload", help="Where calibration activations live: cpu (RAM) or disk (memory-mapped).")] = _P.offload,
+    offload: Annotated[str, typer.Option("--offload", help="cpu: model and activations in RAM; disk: activations memory-mapped and decoder layers streamed from the safetensors files one at a time (models larger than RAM; writes a sharded directory).")] = _P.offload,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Calibration samples per layer call (memory grows with it).")] = _P.batch_size,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from OUT.ckpt (same settings).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result record as JSON instead of the summary.")] = False,
     device: DeviceOpt = _M.device,
@@ -59,7 +60,8 @@ def prune_command(
     dcfg = data_config(calib, _D.eval, samples, seqlen, _D.eval_samples, seed)
     pcfg = PruneConfig(method=method.lower(), sparsity=sparsity, pattern=pattern, structured=structured,
                        structured_metric=structured_metric, targets=parse_targets(targets), sparsegpt_damp=damp,
-                       sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload)
+                       sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload,
+                       batch_size=batch_size)
     check(pcfg.validate())
     result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
     if as_json:

@@ -28,8 +28,6 @@ from laco_deploy.prune import owl, record, step, structural
 
 log = logging.getLogger(__name__)
 
-BATCH_SIZE = 8  # calibration samples per layer call; memory ~ batch * seqlen * ffn width
-
 
 def checkpoint_dir(out_dir: Path) -> Path:
     """Sibling folder holding per-layer checkpoints while a run is in progress."""
@@ -107,11 +105,11 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
                   resume: bool, device: torch.device) -> tuple[list[dict], list[float]]:
     """Capture layer-0 inputs, pick the per-layer ratios, walk the layers with the prune step."""
     inputs = capture_layer_inputs(src.model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
-    ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=BATCH_SIZE,
+    ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=prune_cfg.batch_size,
                               cache_file=ckpt / "owl.json", resume=resume,
                               loader=src.lazy.without_spill() if src.lazy is not None else None)
     records = walk_layers(src.model, inputs, _make_step(prune_cfg, ratios), paths=Paths.SPARSE, device=device,
-                          batch_size=BATCH_SIZE, checkpoint_dir=ckpt, fingerprint=fingerprint, resume=resume,
+                          batch_size=prune_cfg.batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint, resume=resume,
                           desc="prune", layer_loader=src.lazy)
     return records, ratios
 
