@@ -109,7 +109,7 @@ def _add_tensors(writer, model_dir: Path, plan, config: dict, qtype) -> list[str
             fallbacks.append(name)
         writer.add_tensor(name, packed, raw_dtype=ttype)
         written.add(name)
-    if not plan.tied and "output.weight" not in written:
+    if plan.tied is False and "output.weight" not in written:
         raise ExportError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing; re-save the model")
     return fallbacks
 

@@ -66,7 +66,7 @@ def parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS) -> d
         ll_ids = runner.tokenize(text)
     finally:
         runner.close()
-    same = sum(a == b for a, b in zip(hf_ids, ll_ids))
+    same = sum(a == b for a, b in zip(hf_ids, ll_ids, strict=False))
     out["tokenizer_match"] = hf_ids == ll_ids
     out["tokenizer_agreement"] = round(same / max(len(hf_ids), len(ll_ids), 1), 4)
     return out

@@ -36,7 +36,7 @@ class ModelPlan:
     n_vocab: int
     widths: list[dict[str, int]]  # per layer: intermediate_size, num_attention_heads, num_key_value_heads
     per_layer: bool  # write per-layer arrays (deci)
-    tied: bool
+    tied: bool | None  # None: config.json does not say; tied when there is no lm_head.weight
 
     @property
     def arch_name(self) -> str:
@@ -88,7 +88,7 @@ def plan_model(config: dict[str, Any]) -> ModelPlan:
     per_layer = any(w != widths[0] for w in widths)
     spec = STRUCTURED if per_layer else ARCHITECTURES[hf_arch]
     return ModelPlan(hf_arch, spec, n_layers, hidden, head_dim, n_vocab, widths, per_layer,
-                     bool(config.get("tie_word_embeddings", True)))
+                     config.get("tie_word_embeddings"))
 
 
 def _rope(config: dict[str, Any]) -> dict[str, Any]:

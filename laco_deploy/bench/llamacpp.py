@@ -9,6 +9,7 @@ processing and generation speed, time to first token, load time, file size and p
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,16 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
+_LIVE: "weakref.WeakSet[LlamaCppRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_runners() -> None:
+    """Free llama.cpp models before interpreter teardown (llama-cpp-python's __del__ fails late)."""
+    for runner in list(_LIVE):
+        runner.close()
+
+
 def _check_gguf_file(path: Path) -> None:
     if not path.is_file():
         raise RuntimeBackendError(f"GGUF file {path} not found; export one with `laco-deploy export --target gguf`")
@@ -93,6 +105,7 @@ class LlamaCppRunner:
         except (ValueError, RuntimeError, OSError) as e:
             raise RuntimeBackendError(f"llama.cpp cannot load {self.path} ({e}); the file is corrupt, truncated or made "
                                       "for a newer llama.cpp: re-export it or upgrade llama-cpp-python") from e
+        _LIVE.add(self)
         self.n_vocab = self.llm.n_vocab()
         self.add_bos = bool(self.llm._model.add_bos_token())
         self.bos_id = int(self.llm.token_bos())
@@ -134,7 +147,9 @@ class LlamaCppRunner:
         return dict(self.llm.metadata)
 
     def close(self) -> None:
+        """Free the model and context (idempotent)."""
         self.llm.close()
+        _LIVE.discard(self)
 
 
 # ---- perplexity (llama-perplexity protocol) ----------------------------------------------------
@@ -287,7 +302,7 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
     errs = cfg.validate()
     if errs:
         raise ConfigError("; ".join(errs))
-    for label, path in models.items():
+    for path in models.values():
         _check_gguf_file(Path(path))
     import llama_cpp
     from tqdm import tqdm

@@ -28,7 +28,7 @@ def make_structured(src, dst, widths):
     loaded = load_model(str(src))
     model, cfg = loaded.model, loaded.model.config
     hd = cfg.hidden_size // cfg.num_attention_heads
-    for layer, w in zip(model.model.layers, widths):
+    for layer, w in zip(model.model.layers, widths, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         old = {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
         old.update({n: getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")})
