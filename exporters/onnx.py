@@ -52,6 +52,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     _check_request(model_dir, out_dir, quant)
     model, tokenizer, config = _load(model_dir)
     notes: list[str] = []
+    log.info("exporting %s to ONNX %s in %s (sparse storage: %s)", model_dir, quant, out_dir, sparse_storage)
     with atomic_dir(out_dir) as tmp:
         proto = _build_graph(model, quant, tmp, notes)
         _add_metadata(proto, config, quant, sparse_storage, metadata)
@@ -61,6 +62,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
             checks["storage"] = _store_sparse(proto, tmp, dense_bytes, notes)
         del proto
         _copy_side_files(model_dir, tmp, tokenizer)
+        log.info("checking the export against PyTorch in onnxruntime")
         checks.update(_parity(model, tokenizer, tmp))
         size = model_bytes(tmp)
         tmp.chmod(0o755)  # mkdtemp made it private; an export folder is meant to be shared
@@ -117,6 +119,7 @@ def _build_graph(model, quant: str, tmp: Path, notes: list[str]):
     from exporters.onnx_graph import trace
 
     traced = copy.deepcopy(model).half() if quant == "fp16" else model
+    log.info("tracing %s with torch.onnx.export(dynamo=True)", type(model).__name__)
     try:
         proto = trace(traced)
     except Exception as e:  # torch.export raises many internal error types
@@ -127,6 +130,9 @@ def _build_graph(model, quant: str, tmp: Path, notes: list[str]):
         del traced
     if quant == "int8":
         proto = _quantize_int8(proto, tmp, notes)
+    if quant == "fp16":
+        notes.append("fp16: weights, activations, KV cache and logits in half precision (RMSNorm computes in fp32 "
+                     "inside the graph); meant for GPUs, onnxruntime's CPU provider lacks fast fp16 kernels for many ops")
     return proto
 
 

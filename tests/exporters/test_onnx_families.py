@@ -1,4 +1,5 @@
-"""Qwen2 (q/k/v biases, untied head) and a SentencePiece-tokenized Llama exported to ONNX."""
+"""Qwen2 (q/k/v biases, untied head), Mistral (sliding window) and a SentencePiece-tokenized Llama
+exported to ONNX."""
 
 from __future__ import annotations
 
@@ -28,3 +29,18 @@ def test_sentencepiece_model_and_upper_case_type(tiny_llama_sp_dir, tmp_path):
     result = onnx_exporter.export(tiny_llama_sp_dir, tmp_path / "sp", "FP32")
     assert result.quant == "fp32" and (tmp_path / "sp" / "tokenizer.model").is_file()
     assert result.checks["parity"]["max_abs_logit_diff"] <= 1e-3
+
+
+def test_mistral_sliding_window(bpe_tokenizer, tmp_path):
+    """A 64-token sliding window, crossed by the 144-token parity check (prefill and decode)."""
+    import tiny  # tests/ is on sys.path (conftest)
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=512, sliding_window=64, tie_word_embeddings=False,
+                        bos_token_id=0, eos_token_id=0)
+    src = tiny.save_tiny(tiny.build_model(cfg, seed=4), bpe_tokenizer, tmp_path / "mistral")
+    result = onnx_exporter.export(src, tmp_path / "onnx", "fp32")
+    p = result.checks["parity"]
+    assert p["prefill_tokens"] + p["decode_steps"] > 2 * cfg.sliding_window
+    assert p["max_abs_logit_diff"] <= 1e-3 and p["top1_agreement"] >= 0.999 and result.checks["greedy"]["identical"]
