@@ -66,12 +66,11 @@ class _Stats:
 
     def add(self, dense: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor) -> None:
         """One window: dense and candidate logits [seq, vocab], ids [seq]."""
-        kl = M.token_kl(dense, cand)
-        agree = M.top1_agreement(dense, cand)
-        nll = M.next_token_nll(cand, ids)
+        cmp = M.compare_logits(dense, cand, ids)
+        kl, agree, nll = cmp["kl"], cmp["top1"], cmp["nll"]
         self.kl.append(kl.float())
         self.top1 += int(agree.sum())
-        self.delta_sum += M.top_token_prob_delta(dense, cand).sum().item()
+        self.delta_sum += cmp["p_top_delta"].sum().item()
         self.tokens += kl.numel()
         self.nll_sum += nll.sum().item()
         self.nll_count += nll.numel()

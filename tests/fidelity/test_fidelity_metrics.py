@@ -128,3 +128,16 @@ def test_recorded_layer_outputs_match_hidden_states():
         assert torch.allclose(model.model.norm(outs[2]), ref[3], atol=1e-6)
         model(ids, use_cache=False)
     assert len(outs) == 3  # hooks removed: a later forward records nothing
+
+
+def test_compare_logits_equals_the_separate_metrics():
+    gen = torch.Generator().manual_seed(1)
+    dense, cand = torch.randn(150, 37, generator=gen) * 3, torch.randn(150, 37, generator=gen) * 3  # > one row chunk
+    ids = torch.randint(0, 37, (150,), generator=gen)
+    out = M.compare_logits(dense, cand, ids)
+    assert torch.allclose(out["kl"], M.token_kl(dense, cand), atol=1e-12)
+    assert torch.equal(out["top1"], M.top1_agreement(dense, cand))
+    assert torch.allclose(out["p_top_delta"], M.top_token_prob_delta(dense, cand), atol=1e-12)
+    assert torch.allclose(out["nll"], M.next_token_nll(cand, ids), atol=1e-12)
+    with pytest.raises(ValueError):
+        M.compare_logits(dense, cand, ids[:-1])
