@@ -66,6 +66,15 @@ def _prune_info(sparse_cfg: Any) -> dict[str, Any]:
     return dict(info) if isinstance(info, dict) else {}
 
 
+@torch.no_grad()
+def _page_in(*models) -> None:
+    """Read every weight once. Safetensors are memory-mapped, so pages are only faulted in on first
+    use; without this, the recovery's peak-RSS growth would include the models' own weights."""
+    for model in models:
+        for p in model.parameters():
+            p.sum()
+
+
 def _fingerprint(model_cfg, data_cfg, comp_cfg, budget: Budget, sparse_dir: Path) -> dict:
     """What must match for --resume: sources (config + weight file sizes/times), data, settings."""
     weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sparse_dir.glob("*.safetensors"))
@@ -108,6 +117,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     before = model_sparsity(sparse.model, targets, numel)
     ids = data_mod.calibration_samples(sparse.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
     ckpt = checkpoint_dir(out_dir)
+    _page_in(sparse.model, *((dense.model,) if comp_cfg.method == "laco" else ()))
     meter = laco.SegmentMeter(device)
     meter.next()
     t0 = time.perf_counter()
@@ -118,6 +128,9 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         model, summary = sparse.model, None
     else:
         del dense
+        if resume:
+            log.warning("--resume: the LoRA baseline trains the whole model at once and has no per-layer checkpoints; "
+                        "it starts over")
         model, summary = lora.compensate(sparse.model, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
         records = []
     meter.close()
