@@ -85,12 +85,24 @@ def markdown(data: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
     lines += ["", _setting_line(data)]
     if data["gates"]:
-        lines += [""] + [f"- {gate_message(g)}" for g in data["gates"]]
+        lines += [""] + _gate_lines(data["gates"])
     layer_lines = _layer_highlights(data)
     if layer_lines:
         lines += ["", "Per-layer hidden states (PyTorch candidates):"] + [f"- {x}" for x in layer_lines]
     lines += [f"- note: {n}" for n in data.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def _gate_lines(gates: list[dict[str, Any]]) -> list[str]:
+    """Each failed gate in full (which, by how much); the passed ones folded into one line."""
+    lines = [f"- **{gate_message(g)}**" for g in gates if not g["passed"]]
+    passed: dict[str, list[str]] = {}
+    for g in gates:
+        if g["passed"]:
+            passed.setdefault(f"{g['name']} {'<=' if g['name'].startswith('max') else '>='} {g['threshold']:g}", []).append(g["candidate"])
+    if passed:
+        lines.append("- passed: " + "; ".join(f"{name} ({', '.join(labels)})" for name, labels in passed.items()))
+    return lines
 
 
 def _layer_highlights(data: dict[str, Any]) -> list[str]:

@@ -106,6 +106,10 @@ def test_failed_gate_is_recorded_and_reports_are_written(perturbed_result):
     assert re.fullmatch(r"[0-9a-f]{64}", doc["candidates"]["strong"]["sha256"])
     md = (report / "fidelity.md").read_text()
     assert "| strong | pytorch |" in md and "FAIL: max_kl" in md and "KL p99" in md
+    assert "**gate max_kl FAILED by" in md
+    from laco_deploy.fidelity.report import markdown
+
+    assert markdown(doc) == md  # reports re-render from the saved JSON
 
 
 def test_schema_catches_a_broken_report(perturbed_result):
