@@ -9,8 +9,8 @@ is why fidelity does not walk the layers through the engine: that would cost a s
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 

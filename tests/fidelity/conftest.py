@@ -7,9 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny
+import torch
 
 NOISE = (0.2, 1.0)  # relative weight noise of the mildly and the strongly damaged copy
 

@@ -19,11 +19,11 @@ def test_passing_gates_exit_0_and_print_the_table(cli, trained_dir, tmp_path):
 
 def test_failed_gate_exits_1_says_which_and_by_how_much(cli, trained_dir, perturbed_dirs, tmp_path):
     noisy = perturbed_dirs[NOISE[1]]
-    code, out, err = cli("fidelity", "--dense", trained_dir, "--candidate", noisy, "--report", tmp_path,
+    code, _, err = cli("fidelity", "--dense", trained_dir, "--candidate", noisy, "--report", tmp_path,
                          "--max-kl", "0.001", "--min-top1", "0", *SMALL)
     assert code == 1
     label = noisy.name  # a bare PATH is labelled with its folder name
-    assert f"gate max_kl FAILED by" in err and label in err and "required <= 0.001" in err
+    assert "gate max_kl FAILED by" in err and label in err and "required <= 0.001" in err
     assert "min_top1 FAILED" not in err  # only the failing gate is named
     doc = json.loads((tmp_path / "fidelity.json").read_text())  # reports still written
     assert doc["passed"] is False and label in doc["candidates"]

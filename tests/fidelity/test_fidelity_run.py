@@ -11,8 +11,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-
 from conftest import NOISE
+
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
 from laco_deploy.errors import ModelError, RuntimeBackendError
 from laco_deploy.fidelity import FidelityResult, run
@@ -21,8 +21,8 @@ from laco_deploy.fidelity import evaluate as fid_eval
 DATA = DataConfig(eval_samples=3, seqlen=48)
 
 
-def _run(dense: Path, candidates: dict, report: Path, fid: FidelityConfig = FidelityConfig()) -> FidelityResult:
-    return run(ModelConfig(model=str(dense), device="cpu"), DATA, fid, candidates, report)
+def _run(dense: Path, candidates: dict, report: Path, fid: FidelityConfig | None = None) -> FidelityResult:
+    return run(ModelConfig(model=str(dense), device="cpu"), DATA, fid or FidelityConfig(), candidates, report)
 
 
 def _schema() -> dict:
@@ -81,7 +81,7 @@ def test_numbers_agree_with_an_independent_computation(perturbed_result, trained
 
     result, _ = perturbed_result
     ids = evaluation_windows(bpe_tokenizer, "builtin", DATA.eval_samples, DATA.seqlen)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
     with torch.no_grad():
         dense_out, cand_out = load(trained_dir)(ids, labels=ids), load(perturbed_dirs[NOISE[1]])(ids, labels=ids)
     logp, logq = dense_out.logits.double().log_softmax(-1), cand_out.logits.double().log_softmax(-1)
