@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy.cli import app
-from laco_deploy.cli.common import EvalOpt, check, console
+from laco_deploy.cli.common import EvalOpt, check, console, parse_labeled_paths
 from laco_deploy.config import BenchConfig, DataConfig
 from laco_deploy.errors import ConfigError
 
@@ -19,21 +19,6 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 RUNTIMES = ("llama.cpp", "onnxruntime")
 _B = BenchConfig()
-
-
-def parse_models(specs: list[str]) -> dict[str, Path]:
-    """`LABEL=PATH` or `PATH` (label = file name) -> {label: path}, in order."""
-    models: dict[str, Path] = {}
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        if not sep:
-            label, path = Path(spec).name, spec
-        if not Path(path).exists():
-            raise ConfigError(f"model {path} not found; pass exported files as LABEL=PATH (e.g. dense=out/dense.gguf)")
-        models[label] = Path(path)
-    if not models:
-        raise ConfigError("no model given; pass one or more LABEL=PATH arguments")
-    return models
 
 
 @bench_app.command("run")
@@ -55,7 +40,7 @@ def bench_run(
         raise ConfigError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     cfg = BenchConfig(repetitions=repetitions, threads=threads, n_prompt=n_prompt, n_gen=n_gen, ppl_ctx=ppl_ctx, ppl_windows=ppl_windows)
     check(cfg.validate())
-    paths = parse_models(models)
+    paths = parse_labeled_paths(models, "model", "an exported model (.gguf file for llama.cpp, ONNX folder or .onnx file for onnxruntime)")
     if runtime == "llama.cpp":
         from laco_deploy.bench.llamacpp import run_benchmark
     else:

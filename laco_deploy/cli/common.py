@@ -51,3 +51,26 @@ def data_config(calib: str, eval_: str, samples: int, seqlen: int, eval_samples:
     cfg = DataConfig(calib=calib, eval=eval_, samples=samples, seqlen=seqlen, eval_samples=eval_samples, seed=seed)
     check(cfg.validate())
     return cfg
+
+
+def parse_labeled_paths(specs: list[str], option: str = "--candidate",
+                        what: str = "a Hugging Face directory, an ONNX export (folder or .onnx) or a .gguf file") -> dict:
+    """`LABEL=PATH` or `PATH` (label: the file or folder name) -> {label: Path}, in order."""
+    from pathlib import Path
+
+    example = f"{option} pruned=out/pruned" if option.startswith("--") else "dense=out/dense.gguf"
+    out: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            label, path = Path(spec.rstrip("/")).name, spec
+        if not label or not path:
+            raise ConfigError(f"{option} {spec!r} is empty on one side; write LABEL=PATH, e.g. {example}")
+        if label in out:
+            raise ConfigError(f"{option} label {label!r} is used twice; give each its own LABEL=PATH")
+        if not Path(path).exists():
+            raise ConfigError(f"{option} {path} not found; pass {what}, optionally as LABEL=PATH")
+        out[label] = Path(path)
+    if not out:
+        raise ConfigError(f"no {option} given; pass at least one, e.g. {example}")
+    return out

@@ -8,31 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy.cli import app
-from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, check, console
+from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, check, console, parse_labeled_paths
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
-from laco_deploy.errors import ConfigError, GateFailed
+from laco_deploy.errors import GateFailed
 
 _F = FidelityConfig()
-
-
-def parse_candidates(specs: list[str]) -> dict[str, Path]:
-    """`LABEL=PATH` or `PATH` (label: the file or folder name) -> {label: path}, in order."""
-    out: dict[str, Path] = {}
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        if not sep:
-            label, path = Path(spec.rstrip("/")).name, spec
-        if not label or not path:
-            raise ConfigError(f"--candidate {spec!r} is empty on one side; write LABEL=PATH, e.g. --candidate pruned=out/pruned")
-        if label in out:
-            raise ConfigError(f"--candidate label {label!r} is used twice; give each candidate its own LABEL=PATH")
-        if not Path(path).exists():
-            raise ConfigError(f"--candidate {path} not found; pass a Hugging Face directory, an ONNX export (folder or .onnx) "
-                              "or a .gguf file, optionally as LABEL=PATH")
-        out[label] = Path(path)
-    if not out:
-        raise ConfigError("no --candidate given; pass at least one, e.g. --candidate pruned=out/pruned")
-    return out
 
 
 @app.command("fidelity")
@@ -60,7 +40,7 @@ def fidelity_command(
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
     fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads)
     check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
-    candidates = parse_candidates(candidate)
+    candidates = parse_labeled_paths(candidate)
     from laco_deploy.fidelity import run
     from laco_deploy.fidelity.gates import gate_message
     from laco_deploy.fidelity.report import markdown
