@@ -13,6 +13,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import tiny  # noqa: E402
+import torch  # noqa: E402
+
+# Tiny models run fastest on one thread; two threads on a busy 2-core machine oversubscribe it.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
