@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
 from laco_deploy.cli import app
-from laco_deploy.cli.common import (AllowPickleOpt, CalibOpt, DeviceOpt, ModelOpt, SamplesOpt, SeedOpt, SeqlenOpt,
-                                    check, console, data_config, model_config)
+from laco_deploy.cli.common import (
+    AllowPickleOpt,
+    CalibOpt,
+    DeviceOpt,
+    ModelOpt,
+    SamplesOpt,
+    SeedOpt,
+    SeqlenOpt,
+    check,
+    console,
+    data_config,
+    model_config,
+)
 from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig
 
 _P, _D, _M = PruneConfig(), DataConfig(), ModelConfig()
@@ -28,8 +39,8 @@ def prune_command(
     model: ModelOpt = _M.model,
     method: Annotated[str, typer.Option("--method", help="magnitude, wanda or sparsegpt.")] = _P.method,
     sparsity: Annotated[float, typer.Option("--sparsity", help="Unstructured share of weights zeroed in every output row, in [0, 1).")] = _P.sparsity,
-    pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
-    structured: Annotated[Optional[float], typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
+    pattern: Annotated[str | None, typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
+    structured: Annotated[float | None, typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
     structured_metric: Annotated[str, typer.Option("--structured-metric", help="Importance for --structured: wanda (|W|*||X|| summed per channel) or fluctuation (FLAP).")] = _P.structured_metric,
     targets: Annotated[str, typer.Option("--targets", help="Comma-separated linears to prune, or 'all' (embeddings and LM head are never pruned).")] = ",".join(_P.targets),
     owl: Annotated[bool, typer.Option("--owl", help="Outlier-weighted per-layer ratios (OWL) around --sparsity; one extra pass.")] = _P.owl,

@@ -9,5 +9,13 @@ from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.engine.lazy import LazyModel
 from laco_deploy.engine.walk import LayerContext, LayerLoader, Paths, walk_layers
 
-__all__ = ["ActivationCache", "LayerInputs", "capture_layer_inputs", "LayerContext", "LayerLoader", "LazyModel", "Paths",
-           "walk_layers"]
+__all__ = [
+    "ActivationCache",
+    "LayerContext",
+    "LayerInputs",
+    "LayerLoader",
+    "LazyModel",
+    "Paths",
+    "capture_layer_inputs",
+    "walk_layers",
+]

@@ -36,9 +36,9 @@ class ActivationCache:
     def store(self, start: int, values: torch.Tensor) -> None:
         self.data[start : start + values.shape[0]] = values.detach().to("cpu", torch.float32)
 
-    def clone_empty(self) -> "ActivationCache":
+    def clone_empty(self) -> ActivationCache:
         workdir = Path(self._file.name).parent if self._file is not None else None
         return ActivationCache(self.shape, self.offload, workdir)
 
-    def copy_from(self, other: "ActivationCache") -> None:
+    def copy_from(self, other: ActivationCache) -> None:
         self.data.copy_(other.data)

@@ -62,7 +62,7 @@ class LazyModel:
         self._spilled: set[int] = set()
 
     @classmethod
-    def open(cls, path: Path, spill_dir: Path | None = None) -> "LazyModel":
+    def open(cls, path: Path, spill_dir: Path | None = None) -> LazyModel:
         """Build the skeleton on `meta`, load the non-layer weights on CPU. spill_dir: where
         processed layers go (None: processed layers are dropped, e.g. for a frozen dense twin)."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -92,7 +92,7 @@ class LazyModel:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
         return cls(model, path, where, spill_dir)
 
-    def without_spill(self) -> "LazyModel":
+    def without_spill(self) -> LazyModel:
         """A loader over the same model that drops layers after use (read-only passes, dense twins)."""
         return LazyModel(self.model, self.path, self._where, None)
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import enum
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file

@@ -5,4 +5,4 @@ Public entry: `run(model_cfg, data_cfg, prune_cfg, out_dir, *, resume=False, dev
 
 from laco_deploy.prune.run import checkpoint_dir, run
 
-__all__ = ["run", "checkpoint_dir"]
+__all__ = ["checkpoint_dir", "run"]

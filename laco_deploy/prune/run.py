@@ -18,12 +18,25 @@ import torch
 
 from laco_deploy import data as data_mod
 from laco_deploy.artifacts import ModelDirResult
-from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig, to_dict
+from laco_deploy.config import (
+    PRUNABLE_LINEARS,
+    DataConfig,
+    ModelConfig,
+    PruneConfig,
+    to_dict,
+)
 from laco_deploy.engine import LazyModel, Paths, capture_layer_inputs, walk_layers
 from laco_deploy.errors import ConfigError
 from laco_deploy.memory import measure
-from laco_deploy.models import (check_architecture, ensure_default_converted, ensure_gguf_converted, linear_modules,
-                                load_model, resolve_device, save_model)
+from laco_deploy.models import (
+    check_architecture,
+    ensure_default_converted,
+    ensure_gguf_converted,
+    linear_modules,
+    load_model,
+    resolve_device,
+    save_model,
+)
 from laco_deploy.prune import owl, record, step, structural
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,6 @@ from laco_deploy.models import load_model
 from laco_deploy.prune import checkpoint_dir, run, scoring, step
 
 
-
 def _run(data, src, out, **prune):
     return run(ModelConfig(model=str(src)), data, PruneConfig(**prune), out)
 

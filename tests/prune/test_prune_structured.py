@@ -8,12 +8,10 @@ import json
 import pytest
 import torch
 
-from laco_deploy.config import DataConfig, ModelConfig, PruneConfig
+from laco_deploy.config import ModelConfig, PruneConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.models import load_model
-from laco_deploy.prune import run
-from laco_deploy.prune import structural
-
+from laco_deploy.prune import run, structural
 
 
 def _layer_call(model, layer, hidden):
