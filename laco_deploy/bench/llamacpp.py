@@ -323,7 +323,8 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
     notes = [NO_SPEEDUP_NOTE] + ([] if extra_buffers else [EXTRA_BUFFERS_NOTE])
     for label, m in results.items():
         if m.get("pattern") and m["pattern"] != "structured":  # "unstructured" or "N:M"
-            notes.append(f"{label}: {m['pattern']} sparsity; its speed equals a dense model of the same type on llama.cpp")
+            notes.append(f"{label}: {m['pattern']} sparsity: same tensor shapes and types as a dense model, so llama.cpp "
+                         "does the same work; a speed difference from a dense row of the same type is measurement noise")
     environment = {"threads": threads, "device": device, "n_gpu_layers": n_gpu_layers,
                    "llama_cpp_python": llama_cpp.__version__, "extra_buffers": extra_buffers, "cpu": _cpu_name(),
                    "physical_cores": physical_cores(), "load_avg_1m": round(os.getloadavg()[0], 2)}
