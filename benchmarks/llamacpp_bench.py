@@ -65,6 +65,9 @@ def make_models(args, dense: Path) -> dict[str, Path]:
     """dense, Wanda 50%, Wanda 50% + LaCo, structured 50% FFN: HF directories (cached in --work)."""
     from laco_deploy import compensate, prune
 
+    for given in (args.pruned, args.laco, args.structured):
+        if given is not None and not _complete(given):
+            raise SystemExit(f"{given} is not a complete model directory (config.json + *.safetensors)")
     data = DataConfig(samples=args.samples, seqlen=args.seqlen)
     model = ModelConfig(device="cpu")
     pruned = args.pruned or args.work / "wanda50"
