@@ -189,7 +189,7 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "laco_source.json").write_text(json.dumps({"gguf": str(gguf)}))
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf)}))
     return target
 
 
@@ -244,8 +244,24 @@ def linear_modules(layer, targets) -> dict[str, torch.nn.Linear]:
     return out
 
 
+SOURCE_FILE = "laco_source.json"  # {"gguf": path}: the GGUF a model came from (exporters reuse its tokenizer)
+
+
+def with_provenance(source_dir: str | Path | None, extra_files: dict[str, str] | None) -> dict[str, str]:
+    """`extra_files` plus the source's laco_source.json, so provenance follows the weights from stage to stage."""
+    files = dict(extra_files or {})
+    src = Path(source_dir) / SOURCE_FILE if source_dir else None
+    if src is not None and src.is_file() and SOURCE_FILE not in files:
+        files[SOURCE_FILE] = src.read_text()
+    return files
+
+
 def save_model(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:
-    """Save a HF directory (safetensors) atomically: a killed save leaves no complete-looking folder."""
+    """Save a HF directory (safetensors) atomically: a killed save leaves no complete-looking folder.
+
+    The directory the model was loaded from (config._name_or_path) passes on its laco_source.json.
+    """
+    extra_files = with_provenance(getattr(model.config, "_name_or_path", None), extra_files)
     with atomic_dir(Path(out_dir)) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:

@@ -86,3 +86,16 @@ def test_device_resolution():
     if not torch.cuda.is_available():
         with pytest.raises(ModelError, match="no CUDA GPU"):
             resolve_device("cuda")
+
+
+def test_provenance_follows_the_weights(tmp_path, tiny_llama_dir):
+    import shutil
+
+    from laco_deploy.models import SOURCE_FILE, save_model
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_llama_dir, src)
+    (src / SOURCE_FILE).write_text('{"gguf": "/somewhere/model.gguf"}')
+    loaded = load_model(str(src))
+    save_model(loaded.model, loaded.tokenizer, tmp_path / "next")
+    assert (tmp_path / "next" / SOURCE_FILE).read_text() == '{"gguf": "/somewhere/model.gguf"}'

@@ -123,6 +123,9 @@ class LazyModel:
 
     def save(self, out_dir: Path, tokenizer: Any, extra_files: dict[str, str] | None = None) -> None:
         """Write a sharded HF directory from the spilled layers (one layer in memory at a time)."""
+        from laco_deploy.models import with_provenance
+
+        extra_files = with_provenance(self.path, extra_files)
         layers = self.model.model.layers
         weight_map: dict[str, str] = {}
         total = 0
