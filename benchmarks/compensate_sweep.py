@@ -33,6 +33,8 @@ VARIANTS = {
     "nmse_lr3e-4": ["--loss", "nmse", "--lr", "3e-4"],
     "nmse_lr3e-3": ["--loss", "nmse", "--lr", "3e-3"],
     "nmse_late0.3": ["--loss", "nmse", "--lr-last-factor", "0.3"],
+    "nmse_bs2": ["--loss", "nmse", "--batch-size", "2"],
+    "nmse_bs2_lr3e-3": ["--loss", "nmse", "--batch-size", "2", "--lr", "3e-3"],
     "mse_lr3e-4": ["--loss", "mse", "--lr", "3e-4"],
     "lora": [],
     "lora_lr1e-3": ["--lora-lr", "1e-3"],

@@ -73,44 +73,54 @@ def _evaluate(model, ids: torch.Tensor, batch_size: int, device: torch.device) -
     return total / max(1, len(ids))
 
 
+class _Steps:
+    """AdamW + cosine schedule over the adapters; the first step also measures the working set."""
+
+    def __init__(self, peft_model, params, resident, cfg: CompensateConfig, device: torch.device, n_train: int):
+        self.model, self.params, self.resident, self.cfg, self.device = peft_model, params, resident, cfg, device
+        self.opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=cfg.weight_decay)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device) is torch.float16)
+        self.total = max(1, math.ceil(math.ceil(n_train / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
+        self.warmup, self.step, self.working_set = int(self.total * cfg.warmup_fraction), 0, None
+
+    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.working_set is not None:
+            with autocast_ctx(self.device):
+                return _lm_loss(self.model, ids)
+        with count_saved(self.resident) as meter, autocast_ctx(self.device):
+            loss = _lm_loss(self.model, ids)
+        self.working_set = working_set(self.resident, self.params, meter.bytes, [ids])
+        return loss
+
+    def epoch(self, input_ids: torch.Tensor, order: torch.Tensor) -> None:
+        chunks = list(order.split(self.cfg.batch_size))
+        for k, chunk in enumerate(chunks):
+            loss = self._loss(input_ids[chunk].to(self.device))
+            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+            if (k + 1) % self.cfg.grad_accum == 0 or k == len(chunks) - 1:
+                for group in self.opt.param_groups:
+                    group["lr"] = self.cfg.lora_lr * cosine_lr(self.step, self.total, self.warmup)
+                self.scaler.step(self.opt)
+                self.scaler.update()
+                self.opt.zero_grad(set_to_none=True)
+                self.step += 1
+
+
 def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, device: torch.device,
                seed: int) -> dict[str, Any]:
-    """Train the adapters with AdamW + cosine schedule, early stopping on held-out samples."""
+    """Train the adapters, early stopping on held-out samples; keep the best adapters (start included)."""
     train_idx, val_idx = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
     watch = input_ids[val_idx] if len(val_idx) else input_ids[train_idx]
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    resident = list(peft_model.parameters())
     peft_model.to(device)
     peft_model.train()
+    steps = _Steps(peft_model, params, list(peft_model.parameters()), cfg, device, len(train_idx))
     before = _evaluate(peft_model, watch, cfg.batch_size, device)
-    best, best_state, best_epoch, bad = before, [p.detach().cpu().clone() for p in params], 0, 0
-    opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=cfg.weight_decay)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device) is torch.float16)
-    micro = max(1, math.ceil(len(train_idx) / cfg.batch_size))
-    total = max(1, math.ceil(micro / cfg.grad_accum)) * cfg.epochs
-    warmup, step, ws, history, epochs_run = int(total * cfg.warmup_fraction), 0, None, [], 0
+    best, best_state, best_epoch, bad, history = before, [p.detach().cpu().clone() for p in params], 0, 0, []
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
-        chunks = list(train_idx[torch.randperm(len(train_idx), generator=gen)].split(cfg.batch_size))
-        for k, chunk in enumerate(chunks):
-            ids = input_ids[chunk].to(device)
-            if ws is None:
-                with count_saved(resident) as meter, autocast_ctx(device):
-                    loss = _lm_loss(peft_model, ids)
-                ws = working_set(resident, params, meter.bytes, [ids])
-            else:
-                with autocast_ctx(device):
-                    loss = _lm_loss(peft_model, ids)
-            scaler.scale(loss / cfg.grad_accum).backward()
-            if (k + 1) % cfg.grad_accum == 0 or k == len(chunks) - 1:
-                for group in opt.param_groups:
-                    group["lr"] = cfg.lora_lr * cosine_lr(step, total, warmup)
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad(set_to_none=True)
-                step += 1
-        epochs_run = epoch
+        steps.epoch(input_ids, train_idx[torch.randperm(len(train_idx), generator=gen)])
         val = _evaluate(peft_model, watch, cfg.batch_size, device)
         history.append(round(val, 5))
         if val < best:
@@ -123,11 +133,11 @@ def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, devic
         for p, s in zip(params, best_state):
             p.copy_(s.to(p.device))
     peft_model.eval()
-    return {"lm_loss_before": round(before, 5), "lm_loss_after": round(best, 5), "epochs_run": epochs_run,
-            "best_epoch": best_epoch, "steps": step, "val_history": history, "lr": cfg.lora_lr,
+    return {"lm_loss_before": round(before, 5), "lm_loss_after": round(best, 5), "epochs_run": len(history),
+            "best_epoch": best_epoch, "steps": steps.step, "val_history": history, "lr": cfg.lora_lr,
             "measured_on": "validation" if len(val_idx) else "training",
             "trainable_params": sum(p.numel() for p in params), "train_s": round(time.perf_counter() - t0, 3),
-            "device_working_set": ws or {}}
+            "device_working_set": steps.working_set or {}}
 
 
 def compensate(model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,

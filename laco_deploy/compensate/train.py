@@ -108,6 +108,7 @@ class LayerTrainer:
         self.subblock = cfg.loss == "subblock"
         self.loss_fn = losses.get_loss(cfg.loss)
         self.params = trainable_parameters(layer, masks, cfg.train_norms)
+        self.working_set: dict[str, int] | None = None
 
     def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         d, dev = self.data, self.device
@@ -146,49 +147,50 @@ class LayerTrainer:
         for p, s in zip(self.params, snap):
             p.copy_(s.to(p.device))
 
+    def _step_loss(self, chunk: torch.Tensor) -> torch.Tensor:
+        """Loss of one micro-batch; the first one also measures the device working set."""
+        batch = self._batch(chunk)
+        if self.working_set is not None:
+            return self._loss(*batch)
+        with count_saved(self.resident) as meter:
+            loss = self._loss(*batch)
+        self.working_set = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])
+        return loss
+
+    def _epoch(self, order: torch.Tensor, opt, scaler, step: int, total: int, warmup: int) -> int:
+        """One pass over the training samples in `order`; returns the updated step count."""
+        chunks = list(order.split(self.cfg.batch_size))
+        for k, chunk in enumerate(chunks):
+            scaler.scale(self._step_loss(chunk) / self.cfg.grad_accum).backward()
+            if (k + 1) % self.cfg.grad_accum == 0 or k == len(chunks) - 1:
+                for group in opt.param_groups:
+                    group["lr"] = self.lr * cosine_lr(step, total, warmup)
+                mask_grads(self.layer, self.masks)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad(set_to_none=True)
+                apply_masks(self.layer, self.masks)
+                step += 1
+        return step
+
     def fit(self, progress: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
+        """Train with early stopping on the held-out samples; keep the best state (start included)."""
         cfg, d = self.cfg, self.data
         torch.manual_seed(self.seed)
         gen = torch.Generator().manual_seed(self.seed)
         watch = d.val_idx if len(d.val_idx) else d.train_idx
         before = self.evaluate(watch)
         best_val, best_state, best_epoch, bad = before["loss"], self._snapshot(), 0, 0
-        for p in self.layer.parameters():
-            p.requires_grad_(False)
+        self.layer.requires_grad_(False)
         for p in self.params:
             p.requires_grad_(True)
         opt = torch.optim.AdamW(self.params, lr=self.lr, weight_decay=cfg.weight_decay)
-        fp16 = amp_dtype(self.device) is torch.float16
-        scaler = torch.amp.GradScaler(self.device.type, enabled=fp16)
-        micro = max(1, math.ceil(len(d.train_idx) / cfg.batch_size))
-        steps_per_epoch = max(1, math.ceil(micro / cfg.grad_accum))
-        total = steps_per_epoch * cfg.epochs
-        warmup = int(total * cfg.warmup_fraction)
-        step, epochs_run, ws = 0, 0, None
-        t0 = time.perf_counter()
-        history = []
+        scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype(self.device) is torch.float16)
+        total = max(1, math.ceil(math.ceil(len(d.train_idx) / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
+        step, history, t0 = 0, [], time.perf_counter()
         for epoch in range(1, cfg.epochs + 1):
             order = d.train_idx[torch.randperm(len(d.train_idx), generator=gen)]
-            chunks = list(order.split(cfg.batch_size))
-            for k, chunk in enumerate(chunks):
-                batch = self._batch(chunk)
-                if ws is None:
-                    with count_saved(self.resident) as meter:
-                        loss = self._loss(*batch)
-                    ws = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])
-                else:
-                    loss = self._loss(*batch)
-                scaler.scale(loss / cfg.grad_accum).backward()
-                if (k + 1) % cfg.grad_accum == 0 or k == len(chunks) - 1:
-                    for group in opt.param_groups:
-                        group["lr"] = self.lr * cosine_lr(step, total, warmup)
-                    mask_grads(self.layer, self.masks)
-                    scaler.step(opt)
-                    scaler.update()
-                    opt.zero_grad(set_to_none=True)
-                    apply_masks(self.layer, self.masks)
-                    step += 1
-            epochs_run = epoch
+            step = self._epoch(order, opt, scaler, step, total, int(total * cfg.warmup_fraction))
             val = self.evaluate(watch)["loss"]
             history.append(round(val, 6))
             progress(f"epoch {epoch} val {val:.4g} (start {before['loss']:.4g})")
@@ -199,16 +201,14 @@ class LayerTrainer:
                 if len(d.val_idx) and bad >= cfg.patience:
                     break
         self._restore(best_state)
-        for p in self.params:
-            p.requires_grad_(False)
-        del opt
+        self.layer.requires_grad_(False)
         after = self.evaluate(watch)
         return {
             "loss_before": before["loss"], "loss_after": after["loss"],
             "nmse_before": before["nmse"], "nmse_after": after["nmse"],
             "mse_before": before["mse"], "mse_after": after["mse"],
             "measured_on": "validation" if len(d.val_idx) else "training",
-            "epochs_run": epochs_run, "best_epoch": best_epoch, "steps": step, "lr": self.lr,
+            "epochs_run": len(history), "best_epoch": best_epoch, "steps": step, "lr": self.lr,
             "val_history": history, "train_s": round(time.perf_counter() - t0, 3),
-            "device_working_set": ws or {},
+            "device_working_set": self.working_set or {},
         }
