@@ -106,3 +106,19 @@ def test_budget_resolution_in_one_place():
     assert gpu.samples == 2048 and gpu.seqlen == 128
     explicit = resolve_budget(CompensateConfig(samples=7), data, torch.device("cuda"))
     assert explicit.samples == 7 and explicit.source == "explicit"
+
+
+def test_segment_meter_keeps_the_peak_of_earlier_segments():
+    from laco_deploy.compensate.laco import SegmentMeter
+
+    meter = SegmentMeter(torch.device("cpu"))
+    meter.next()
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del big
+    meter.next()  # resets the counter; the first segment's peak must survive
+    small = torch.ones(1024)
+    meter.close()
+    assert small.sum() == 1024
+    assert len(meter.done) == 2
+    assert meter.peak_delta_bytes >= 60 * 2**20
+    assert meter.done[1].peak_delta_bytes < 32 * 2**20
