@@ -10,8 +10,8 @@ Layout of an export folder written with sparse storage:
                               points into `model.densified.bin` (offset, length), a file that is
                               NOT shipped
     model.sparse.safetensors  per compressed weight `<name>/values` (non-zeros, row-major order)
-                              and `<name>/mask` (np.packbits of `weight != 0`); metadata says
-                              the shapes, dtypes and offsets
+                              and `<name>/mask` (np.packbits of `weight != fill`); metadata says
+                              the shapes, dtypes, fill values (0; 128 for 8-bit codes) and offsets
 
 Loading densifies: `external_initializers()` rebuilds the dense arrays in memory and
 laco_deploy.bench.onnxrt passes them to onnxruntime (`add_external_initializers`); any other
@@ -44,20 +44,29 @@ def packed_bytes(n_elements: int, n_nonzero: int, itemsize: int) -> int:
     return n_nonzero * itemsize + math.ceil(n_elements / 8)
 
 
-def pack(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """array (any shape) -> (values [nnz] same dtype, mask [ceil(n/8)] uint8 bits of array != 0)."""
+def fill_value(array: np.ndarray) -> np.generic:
+    """The value pruned weights hold: 0 for floats; for integer codes the most frequent one
+    (8-bit MatMulNBits stores symmetric weights as uint8 with zero at 128)."""
+    if array.dtype.kind not in "iu" or array.dtype.itemsize != 1:
+        return array.dtype.type(0)
+    counts = np.bincount(array.reshape(-1).view(np.uint8), minlength=256)
+    return np.array([int(counts.argmax())], dtype=np.uint8).view(array.dtype)[0]
+
+
+def pack(array: np.ndarray, fill=0) -> tuple[np.ndarray, np.ndarray]:
+    """array (any shape) -> (values [n_kept] same dtype, mask [ceil(n/8)] uint8 bits of array != fill)."""
     flat = np.ascontiguousarray(array).reshape(-1)
-    keep = flat != 0
+    keep = flat != fill
     return flat[keep].copy(), np.packbits(keep)
 
 
-def unpack(values: np.ndarray, mask: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Inverse of `pack`: scatter the values into zeros at the mask's set bits -> array of `shape`."""
+def unpack(values: np.ndarray, mask: np.ndarray, shape: tuple[int, ...], fill=0) -> np.ndarray:
+    """Inverse of `pack`: scatter the values into `fill` at the mask's set bits -> array of `shape`."""
     n = int(np.prod(shape, dtype=np.int64))
     keep = np.unpackbits(mask, count=n).astype(bool)
     if int(keep.sum()) != values.size:
         raise RuntimeBackendError(f"sparse container is corrupt: mask has {int(keep.sum())} set bits for {values.size} values; re-export with --sparse-storage")
-    dense = np.zeros(n, dtype=values.dtype)
+    dense = np.full(n, fill, dtype=values.dtype)
     dense[keep] = values
     return dense.reshape(shape)
 
@@ -75,11 +84,13 @@ def compress(proto, folder: Path) -> dict[str, Any]:
         if len(init.dims) < 2 or init.data_location == TensorProto.EXTERNAL:
             continue
         array = numpy_helper.to_array(init)
-        nnz = int(np.count_nonzero(array))
+        fill = fill_value(array)
+        nnz = int(np.count_nonzero(array != fill))
         if packed_bytes(array.size, nnz, array.itemsize) > (1 - MIN_SAVING) * array.nbytes:
             continue
-        tensors[f"{init.name}/values"], tensors[f"{init.name}/mask"] = pack(array)
-        index[init.name] = {"shape": list(array.shape), "dtype": str(array.dtype), "offset": offset, "length": array.nbytes}
+        tensors[f"{init.name}/values"], tensors[f"{init.name}/mask"] = pack(array, fill)
+        index[init.name] = {"shape": list(array.shape), "dtype": str(array.dtype), "fill": fill.item(),
+                            "offset": offset, "length": array.nbytes}
         _make_external(init, offset, array.nbytes)
         offset += -(-array.nbytes // _ALIGN) * _ALIGN
         zeros += array.size - nnz
@@ -130,7 +141,7 @@ def external_initializers(folder: Path) -> dict[str, np.ndarray]:
     tensors, index = _read_container(Path(folder))
     out = {}
     for name, info in index.items():
-        arr = unpack(tensors[f"{name}/values"], tensors[f"{name}/mask"], tuple(info["shape"]))
+        arr = unpack(tensors[f"{name}/values"], tensors[f"{name}/mask"], tuple(info["shape"]), info.get("fill", 0))
         if str(arr.dtype) != info["dtype"]:
             raise RuntimeBackendError(f"sparse container: {name} holds {arr.dtype}, index says {info['dtype']}; re-export with --sparse-storage")
         out[name] = arr

@@ -81,7 +81,8 @@ def test_benchmark_metrics(bench_result, tiny_export):
             assert set(m[key]) == {"median", "spread"} and m[key]["median"] > 0 and m[key]["spread"] >= 0
         assert m["ppl_windows"] == 3 and m["ppl_tokens"] == 3 * (32 - 16 - 1)
         assert m["peak_rss_mib"] > m["base_rss_mib"] > 0
-        assert m["size_mib"] * 2**20 == pytest.approx((tiny_export / "model.onnx").stat().st_size)
+        files = (tiny_export / "model.onnx").stat().st_size + (tiny_export / "model.onnx_data").stat().st_size
+        assert m["size_mib"] * 2**20 == pytest.approx(files)
         assert m["provider"] == "CPUExecutionProvider" and m["quant"] == "fp32"
     assert r.models["ref"]["tg_speedup"] == 1.0
     assert r.models["ref"]["ppl"] == pytest.approx(r.models["again"]["ppl"], rel=1e-9)

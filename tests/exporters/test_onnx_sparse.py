@@ -24,6 +24,19 @@ def test_pack_unpack_round_trip(dtype):
     assert np.array_equal(onnx_sparse.unpack(values, mask, dense.shape), dense)
 
 
+def test_fill_value_of_8bit_codes():
+    """8-bit MatMulNBits codes hold a pruned weight as 128; floats as 0."""
+    rng = np.random.default_rng(1)
+    codes = np.full((8, 4, 32), 128, np.uint8)
+    keep = rng.random(codes.shape) < 0.5
+    codes[keep] = rng.integers(0, 128, int(keep.sum()))  # any code but 128
+    assert onnx_sparse.fill_value(codes) == 128
+    values, mask = onnx_sparse.pack(codes, 128)
+    assert values.size == np.count_nonzero(codes != 128)
+    assert np.array_equal(onnx_sparse.unpack(values, mask, codes.shape, 128), codes)
+    assert onnx_sparse.fill_value(np.ones((3, 3), np.float32)) == 0.0
+
+
 def test_packed_size_formula():
     # 50% sparse fp32 matrix of 1024 x 1024: half the values (2 MiB) plus one bit each (128 KiB)
     assert onnx_sparse.packed_bytes(1024 * 1024, 512 * 1024, 4) == 2 * 2**20 + 2**17
@@ -62,7 +75,7 @@ def test_sparse_export_is_smaller_and_reported(sparse_export):
     storage = result.checks["storage"]
     assert storage["tensors_compressed"] == 14 and storage["zero_fraction"] == pytest.approx(0.5, abs=0.01)
     assert storage["sparse_bytes"] == result.size_bytes
-    files = (out / "model.onnx").stat().st_size + (out / onnx_sparse.SPARSE_FILE).stat().st_size
+    files = sum((out / n).stat().st_size for n in ("model.onnx", "model.onnx_data", onnx_sparse.SPARSE_FILE))
     assert result.size_bytes == files
     assert storage["sparse_bytes"] < 0.8 * storage["dense_bytes"]  # weights are ~2/3 of this tiny file
     assert storage["onnx_checker_densified"] == "passed"
@@ -106,3 +119,16 @@ def test_densify_refuses_a_dense_export(tmp_path):
     tmp_path.joinpath("model.onnx").write_bytes(b"")
     with pytest.raises(ExportError, match="--sparse-storage"):
         onnx_sparse.densify(tmp_path)
+
+
+def test_int8_sparse_storage(pruned_dir, tmp_path):
+    """Pruned weights survive 8-bit quantization as code 128 and compress the same way."""
+    result = onnx_exporter.export(pruned_dir, tmp_path / "int8", "int8", sparse_storage=True)
+    storage = result.checks["storage"]
+    assert storage["tensors_compressed"] == 14 and storage["zero_fraction"] == pytest.approx(0.5, abs=0.02)
+    assert storage["sparse_bytes"] < storage["dense_bytes"]
+    assert result.checks["parity"]["top1_agreement"] >= 0.9
+    ids = torch.arange(3, 40)
+    with torch.no_grad():
+        ref = load_model(str(pruned_dir)).model(ids.view(1, -1)).logits[0]
+    assert (OrtRunner(tmp_path / "int8").logits(ids) - ref).abs().max() <= 0.2

@@ -1,4 +1,4 @@
-"""Structured-pruned models export with their smaller shapes (and, forced here, external data)."""
+"""Structured-pruned models export with their smaller shapes."""
 
 from __future__ import annotations
 
@@ -52,13 +52,7 @@ def structured_dir(tiny_llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def structured_export(structured_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "structured"
-    mp = pytest.MonkeyPatch()
-    mp.setattr(onnx_exporter, "EXTERNAL_DATA_BYTES", 0)  # force the > 2 GB layout on a tiny model
-    try:
-        result = onnx_exporter.export(structured_dir, out, "fp32", sparse_storage=True)
-    finally:
-        mp.undo()
-    return result, out
+    return onnx_exporter.export(structured_dir, out, "fp32", sparse_storage=True), out
 
 
 def test_smaller_shapes_in_the_graph(structured_export):
@@ -87,7 +81,7 @@ def test_structured_parity_and_decoding(structured_export, structured_dir):
     assert (OrtRunner(out).logits(ids) - ref).abs().max() <= 1e-4
 
 
-def test_external_data_layout_and_dense_note(structured_export):
+def test_sizes_and_dense_note(structured_export):
     result, out = structured_export
     assert (out / "model.onnx_data").is_file()
     assert result.size_bytes == (out / "model.onnx").stat().st_size + (out / "model.onnx_data").stat().st_size
