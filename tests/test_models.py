@@ -99,3 +99,19 @@ def test_provenance_follows_the_weights(tmp_path, tiny_llama_dir):
     loaded = load_model(str(src))
     save_model(loaded.model, loaded.tokenizer, tmp_path / "next")
     assert (tmp_path / "next" / SOURCE_FILE).read_text() == '{"gguf": "/somewhere/model.gguf"}'
+
+
+def test_gguf_file_loads_and_is_cached(tmp_path, tiny_llama_dir, cache_dir):
+    """A tiny GGUF written with the gguf package (through our exporter) loads back with equal logits."""
+    from exporters.gguf import export
+
+    gguf = tmp_path / "tiny.f32.gguf"
+    export(tiny_llama_dir, gguf, "f32")
+    loaded = load_model(str(gguf))
+    assert loaded.kind == "gguf" and loaded.gguf_path == gguf
+    assert list(cache_dir.rglob("*.safetensors"))  # converted once into the cache
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    reference = load_model(str(tiny_llama_dir)).model
+    with torch.no_grad():
+        assert torch.allclose(loaded.model(ids).logits, reference(ids).logits, atol=1e-4)
+    assert load_model(str(gguf)).path == loaded.path  # second load comes from the cache
