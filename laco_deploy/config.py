@@ -130,6 +130,7 @@ class CompensateConfig:
     samples: int | None = None
     gpu_samples: int = 2048  # the paper's budget
     cpu_samples: int = 32  # small budget that finishes in minutes on the default model
+    cpu_seqlen: int = 128  # tokens per sample of that CPU budget (at most data.seqlen)
     weight_decay: float = 0.0  # AdamW decoupled weight decay (surviving weights only)
     warmup_fraction: float = 0.05  # share of steps with linear LR warmup before the cosine decay
     lr_last_factor: float = 1.0  # LaCo LR decays geometrically from lr (layer 0) to lr * this (last layer)

@@ -54,7 +54,7 @@ def compensate_command(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT.ckpt after an interrupted run (same result as uninterrupted). Default: off, start over.")] = False,
     device: DeviceOpt = ModelConfig.device,
     calib: CalibOpt = _D.calib,
-    samples: Annotated[Optional[int], typer.Option("--samples", help=f"Calibration samples. Default: {_C.gpu_samples} on CUDA (the paper), {_C.cpu_samples} on CPU (a small budget).")] = None,
+    samples: Annotated[Optional[int], typer.Option("--samples", help=f"Calibration samples. Default: {_C.gpu_samples} on CUDA (the paper), {_C.cpu_samples} on CPU (a small budget, at most {_C.cpu_seqlen} tokens each).")] = None,
     seqlen: SeqlenOpt = _D.seqlen,
     seed: SeedOpt = _D.seed,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write the result record as JSON here. Default: not written.")] = None,

@@ -1,8 +1,9 @@
 """The calibration budget of a compensation run, resolved in one place and logged.
 
 An explicit `CompensateConfig.samples` always wins. Otherwise the budget follows the device:
-on CUDA the paper's 2,048 unlabeled samples; on CPU a small budget that finishes in minutes on
-the default model (SmolLM2-135M, 30 layers), said so in the log and in the result's notes.
+on CUDA the paper's 2,048 unlabeled samples; on CPU a small budget (32 samples of at most 128
+tokens) that finishes in minutes on the default model (SmolLM2-135M, 30 layers), said so in the
+log and in the result's notes.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def resolve_budget(comp: CompensateConfig, data: DataConfig, device: torch.devic
                    f"calibration budget {comp.gpu_samples} x {data.seqlen} tokens, {comp.epochs} epochs "
                    "(the paper's 2,048 unlabeled samples, on CUDA)")
     else:
-        b = Budget(comp.cpu_samples, data.seqlen, comp.epochs, "small CPU budget",
-                   f"using a small CPU budget: {comp.cpu_samples} x {data.seqlen} tokens, {comp.epochs} epochs "
-                   f"(the paper uses {comp.gpu_samples} samples on a GPU; pass --samples N to choose)")
+        seqlen = min(data.seqlen, comp.cpu_seqlen)
+        b = Budget(comp.cpu_samples, seqlen, comp.epochs, "small CPU budget",
+                   f"using a small CPU budget: {comp.cpu_samples} x {seqlen} tokens, {comp.epochs} epochs "
+                   f"(the paper uses {comp.gpu_samples} samples on a GPU; pass --samples N to choose, "
+                   "then --seqlen applies as given)")
     log.info("%s", b.note)
     return b

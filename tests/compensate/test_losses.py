@@ -102,6 +102,9 @@ def test_budget_resolution_in_one_place():
     data = DataConfig(seqlen=128)
     cpu = resolve_budget(CompensateConfig(), data, torch.device("cpu"))
     assert cpu.samples == CompensateConfig.cpu_samples and "small CPU budget" in cpu.note
+    assert cpu.seqlen == min(128, CompensateConfig.cpu_seqlen)
+    assert resolve_budget(CompensateConfig(), DataConfig(seqlen=64), torch.device("cpu")).seqlen == 64
+    assert resolve_budget(CompensateConfig(samples=8), DataConfig(seqlen=512), torch.device("cpu")).seqlen == 512
     gpu = resolve_budget(CompensateConfig(), data, torch.device("cuda"))
     assert gpu.samples == 2048 and gpu.seqlen == 128
     explicit = resolve_budget(CompensateConfig(samples=7), data, torch.device("cuda"))
