@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from recovery_bench import ensure_pruned, perplexity, recover
+from recovery_bench import HERE, ensure_pruned, perplexity, recover
 
 from laco_deploy.data import evaluation_windows
 from laco_deploy.fsutil import write_json
@@ -44,8 +44,8 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="mse,nmse,cos_mse,subblock")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/sweep.json"))
-    ap.add_argument("--workdir", default="benchmarks/results/sweep-work")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "sweep.json")
+    ap.add_argument("--workdir", default=str(HERE / "results" / "sweep-work"))
     ap.add_argument("--samples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=4)
@@ -56,7 +56,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workdir = Path(args.workdir)
-    sparse = ensure_pruned(args.pattern, Path("benchmarks/results/recovery-work"), 64, 256)
+    sparse = ensure_pruned(args.pattern, HERE / "results" / "recovery-work")
     tok = load_model("default").tokenizer
     windows = evaluation_windows(tok, "builtin", args.eval_windows, 256)
     doc = json.loads(args.out.read_text()) if args.out.is_file() else {"rows": {}}

@@ -8,6 +8,9 @@ keeps the pruned model's sparsity. Each recovery runs in its own process through
 (`laco-deploy compensate --json`), so memory and time are not polluted by earlier runs.
 
     python benchmarks/recovery_bench.py --out benchmarks/results/recovery.json
+
+Defaults fit the shared 2-core CPU: recoveries train on 32 samples x 128 tokens (the CPU budget
+of `compensate`), Wanda calibrates on 64 x 256 and perplexity is scored on 32 windows of 256.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from laco_deploy.fsutil import write_json
 from laco_deploy.models import load_model
 
 log = logging.getLogger("recovery_bench")
+HERE = Path(__file__).resolve().parent
 PATTERNS = {"unstructured": PruneConfig(method="wanda", sparsity=0.5), "2:4": PruneConfig(method="wanda", pattern="2:4")}
 
 
@@ -48,7 +52,7 @@ def perplexity(model_dir: str, windows: torch.Tensor, batch: int = 4) -> float:
     return math.exp(total / count)
 
 
-def ensure_pruned(label: str, workdir: Path, calib_samples: int, seqlen: int) -> Path:
+def ensure_pruned(label: str, workdir: Path, calib_samples: int = 64, seqlen: int = 256) -> Path:
     """Wanda-prune the default model once per pattern (reused when the folder exists)."""
     from laco_deploy.prune import run as prune
 
@@ -90,7 +94,7 @@ def _row(name: str, samples, ppl: float, dense: float, pruned: float, res: dict 
 
 def bench_pattern(label: str, args, windows: torch.Tensor, dense_ppl: float) -> dict:
     workdir = Path(args.workdir)
-    sparse = ensure_pruned(label, workdir, args.prune_samples, args.seqlen)
+    sparse = ensure_pruned(label, workdir, args.prune_samples, args.prune_seqlen)
     pruned_sparsity = json.loads((sparse / "config.json").read_text())["laco_deploy"]["sparsity"]
     pruned_ppl = perplexity(str(sparse), windows)
     rows = [_row("dense", "-", dense_ppl, dense_ppl, pruned_ppl, None, pruned_sparsity),
@@ -137,26 +141,30 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/recovery.json"))
-    ap.add_argument("--workdir", default="benchmarks/results/recovery-work", help="pruned and recovered models")
-    ap.add_argument("--samples", type=int, default=64, help="calibration budget of LaCo and LoRA (LaCo 1/4: samples // 4)")
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
+    ap.add_argument("--workdir", default=str(HERE / "results" / "recovery-work"), help="pruned and recovered models")
+    ap.add_argument("--samples", type=int, default=32, help="calibration budget of LaCo and LoRA (LaCo 1/4: samples // 4)")
+    ap.add_argument("--seqlen", type=int, default=128, help="tokens per calibration sample of the recoveries")
     ap.add_argument("--prune-samples", type=int, default=64, help="Wanda calibration samples")
-    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--prune-seqlen", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--eval-seqlen", type=int, default=256)
     ap.add_argument("--patterns", default="unstructured,2:4")
     ap.add_argument("--fresh", action="store_true", help="rerun recoveries whose results already exist")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
     dense = load_model("default")
-    windows = evaluation_windows(dense.tokenizer, "builtin", args.eval_windows, args.seqlen)
+    windows = evaluation_windows(dense.tokenizer, "builtin", args.eval_windows, args.eval_seqlen)
     del dense
     dense_ppl = perplexity("default", windows)
     results = [bench_pattern(p, args, windows, dense_ppl) for p in args.patterns.split(",")]
-    doc = {"protocol": {"model": "default (SmolLM2-135M-Instruct, fp32)", "eval": f"builtin, {len(windows)} x {args.seqlen} tokens",
-                        "calibration": f"builtin, seed 0, {args.seqlen} tokens per sample", "epochs": args.epochs,
+    doc = {"protocol": {"model": "default (SmolLM2-135M-Instruct, fp32)", "eval": f"builtin, {len(windows)} x {args.eval_seqlen} tokens",
+                        "prune": f"Wanda, builtin calibration {args.prune_samples} x {args.prune_seqlen}",
+                        "calibration": f"builtin, seed 0, {args.samples} x {args.seqlen} tokens (LaCo 1/4: {args.samples // 4})",
+                        "epochs": args.epochs,
                         "batch_size": args.batch_size, "device": "cpu", "threads": torch.get_num_threads()},
            "results": results, "goals": goals(results), "wall_s": round(time.perf_counter() - t0, 1)}
     write_json(args.out, doc)
