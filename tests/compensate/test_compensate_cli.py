@@ -42,3 +42,12 @@ def test_bad_method_and_epochs_reported_together(cli, tiny_llama_dir, sparse_uns
                           "--out", tmp_path / "o", "--method", "qlora", "--epochs", 0)
     assert code == 2
     assert "qlora" in err and "--epochs" in err
+
+
+def test_cpu_default_budget_is_small_and_said(cli, tiny_llama_dir, sparse_24_dir, tmp_path):
+    code, out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_24_dir, "--out", tmp_path / "o",
+                         "--epochs", 1, "--device", "cpu")
+    assert code == 0, err
+    assert "small CPU budget: 32 x 128 tokens" in out.replace("\n", " ")
+    rec_cfg = json.loads((tmp_path / "o" / "config.json").read_text())["laco_deploy"]
+    assert rec_cfg["samples"] == 32 and rec_cfg["seqlen"] == 128 and rec_cfg["pattern"] == "2:4"
