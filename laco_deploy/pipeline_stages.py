@@ -18,6 +18,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _calib(data) -> dict:
+    """The data settings that shape calibration samples (evaluation settings must not rerun training)."""
+    return {"calib": data.calib, "samples": data.samples, "seqlen": data.seqlen, "seed": data.seed}
+
+
+def _eval(data) -> dict:
+    return {"eval": data.eval, "eval_samples": data.eval_samples, "seqlen": data.seqlen}
+
+
 def _hash_of(b: "Builder", stage: str, label: str) -> str:
     return b.manifest["stages"][stage]["files"][label]["sha256"]
 
@@ -26,7 +35,7 @@ def stage_prune(b: "Builder") -> Path:
     from laco_deploy.prune import run as prune
 
     cfg, out = b.cfg, b.layout.pruned
-    settings = {"model": to_dict(cfg.model), "data": to_dict(cfg.data), "prune": to_dict(cfg.prune)}
+    settings = {"model": to_dict(cfg.model), "data": _calib(cfg.data), "prune": to_dict(cfg.prune)}
     settings["model"].pop("device")
     inputs = {"model": b.manifest["inputs"]["model"], "calib": b.manifest["inputs"]["calib"]}
     b.stage("prune", settings, inputs, {"pruned": out},
@@ -41,7 +50,7 @@ def stage_compensate(b: "Builder", pruned: Path) -> Path:
     from laco_deploy.compensate import run as compensate
 
     out = b.layout.recovered
-    settings = {"data": to_dict(cfg.data), "compensate": to_dict(cfg.compensate)}
+    settings = {"data": _calib(cfg.data), "compensate": to_dict(cfg.compensate)}
     inputs = {"dense": b.manifest["inputs"]["model"], "pruned": _hash_of(b, "prune", "pruned"),
               "calib": b.manifest["inputs"]["calib"]}
     b.stage("compensate", settings, inputs, {"recovered": out},
@@ -95,7 +104,7 @@ def stage_fidelity(b: "Builder", pruned: Path, recovered: Path, exported: dict[s
     if recovered != pruned:
         candidates[cfg.compensate.method] = recovered
     candidates[f"{cfg.export.target}-{b.layout.quant}"] = exported["model"]
-    settings = {"data": to_dict(cfg.data), "fidelity": to_dict(cfg.fidelity)}
+    settings = {"data": _eval(cfg.data), "fidelity": to_dict(cfg.fidelity)}
     inputs = {"dense": b.manifest["inputs"]["model"], "eval": b.manifest["inputs"]["eval"],
               "candidates": {k: _hash_of(b, "export", "model") if k.startswith(cfg.export.target) else
                              _hash_of(b, "compensate" if k != "pruned" else "prune", "recovered" if k != "pruned" else "pruned")
