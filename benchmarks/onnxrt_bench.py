@@ -14,14 +14,19 @@ when they exist, so a rerun only measures.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
 
-from laco_deploy.config import BenchConfig, CompensateConfig, DataConfig, ModelConfig, PruneConfig
+from laco_deploy.config import (
+    BenchConfig,
+    CompensateConfig,
+    DataConfig,
+    ModelConfig,
+    PruneConfig,
+)
 from laco_deploy.fsutil import write_json
 
 log = logging.getLogger("onnxrt_bench")

@@ -143,7 +143,10 @@ def _quantize_int8(proto, notes: list[str]):
     Per-tensor dynamic activation quantization (quantize_dynamic / MatMulInteger) was tried
     first: the outlier channels of LLM activations wreck it (top-1 67% on SmolLM2-135M)."""
     import onnxruntime
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+    )
 
     if tuple(int(x) for x in onnxruntime.__version__.split(".")[:2]) < (1, 22):
         raise ExportError(f"ONNX int8 needs onnxruntime >= 1.22 (8-bit MatMulNBits); this is {onnxruntime.__version__}: "

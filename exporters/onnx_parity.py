@@ -28,7 +28,7 @@ def logit_parity(model, decoder, tokens: torch.Tensor, prefill: int) -> dict:
     top1 = got.argmax(-1) == ref.argmax(-1)
     return {
         "prefill_tokens": int(prefill),
-        "decode_steps": int(len(steps)),
+        "decode_steps": len(steps),
         "max_abs_logit_diff": float(diff.max()),
         "max_abs_diff_prefill": float(diff[:prefill].max()),
         "max_abs_diff_decode": float(diff[prefill:].max()) if steps else None,

@@ -124,7 +124,7 @@ def _read_container(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, dict
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
                 raise RuntimeBackendError(f"{path} has format {meta.get('format')!r}, expected {FORMAT}; re-export with --sparse-storage")
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
         return tensors, json.loads(meta["tensors"])
     except (OSError, KeyError, ValueError) as e:
         raise RuntimeBackendError(f"cannot read the sparse container {path}: {e}; re-export with --sparse-storage") from e

@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from laco_deploy.bench.onnxrt import OrtDecoder, model_file, physical_cores, providers_for, second_half_nll
+from laco_deploy.bench.onnxrt import (
+    OrtDecoder,
+    model_file,
+    physical_cores,
+    providers_for,
+    second_half_nll,
+)
 from laco_deploy.errors import ConfigError, RuntimeBackendError
 
 NO_SPEEDUP_NOTE = ("unstructured and N:M sparsity give no speed-up on onnxruntime: its kernels are dense and sparse "
@@ -157,7 +163,7 @@ def _run_one(label: str, path: Path, job: dict[str, Any]) -> dict[str, Any]:
         job_file.write_text(json.dumps({**job, "path": str(Path(path).resolve()), "out": str(out)}))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         proc = subprocess.run([sys.executable, "-m", "laco_deploy.bench.onnxrt_worker", str(job_file)], env=env,
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not out.is_file():
             tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
             raise RuntimeBackendError(f"benchmarking {label} ({path}) failed: {tail[0]}")

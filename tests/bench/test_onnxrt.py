@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from laco_deploy.bench import onnxrt
-from laco_deploy.bench.onnxrt import OrtRunner, physical_cores, providers_for, second_half_nll
+from laco_deploy.bench.onnxrt import (
+    OrtRunner,
+    physical_cores,
+    providers_for,
+    second_half_nll,
+)
 from laco_deploy.config import BenchConfig
 from laco_deploy.errors import RuntimeBackendError
 

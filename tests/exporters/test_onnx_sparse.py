@@ -101,7 +101,7 @@ def test_densify_makes_a_standard_onnx_folder(sparse_export, tmp_path):
     shutil.copytree(src, out)
     ids = np.arange(5, 25, dtype=np.int64)
     injected = OrtRunner(out).logits(ids).numpy()
-    with pytest.raises(Exception):  # plain onnxruntime cannot open it before densify
+    with pytest.raises(Exception, match="densified.bin"):  # plain onnxruntime cannot open it before densify
         ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     written = onnx_sparse.densify(out)
     assert written.name == onnx_sparse.DENSE_FILE and not onnx_sparse.needs_densify(out)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 import torch
 
 from exporters import onnx as onnx_exporter
