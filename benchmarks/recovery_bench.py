@@ -9,8 +9,9 @@ keeps the pruned model's sparsity. Each recovery runs in its own process through
 
     python benchmarks/recovery_bench.py --out benchmarks/results/recovery.json
 
-Defaults fit the shared 2-core CPU: recoveries train on 32 samples x 128 tokens (the CPU budget
-of `compensate`), Wanda calibrates on 64 x 256 and perplexity is scored on 32 windows of 256.
+Defaults follow the measured starting point of the design notes: recoveries train on 64 samples
+x 256 tokens (LaCo 1/4: 16), Wanda calibrates on 64 x 256, perplexity is scored on 32 windows of
+256 tokens; LaCo and LoRA use the same batch size and epochs (CompensateConfig defaults).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from laco_deploy.config import DataConfig, ModelConfig, PruneConfig
+from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig, PruneConfig
 from laco_deploy.data import evaluation_windows
 from laco_deploy.fidelity.metrics import next_token_nll
 from laco_deploy.fsutil import write_json
@@ -143,12 +144,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
     ap.add_argument("--workdir", default=str(HERE / "results" / "recovery-work"), help="pruned and recovered models")
-    ap.add_argument("--samples", type=int, default=32, help="calibration budget of LaCo and LoRA (LaCo 1/4: samples // 4)")
-    ap.add_argument("--seqlen", type=int, default=128, help="tokens per calibration sample of the recoveries")
+    ap.add_argument("--samples", type=int, default=64, help="calibration budget of LaCo and LoRA (LaCo 1/4: samples // 4)")
+    ap.add_argument("--seqlen", type=int, default=256, help="tokens per calibration sample of the recoveries")
     ap.add_argument("--prune-samples", type=int, default=64, help="Wanda calibration samples")
     ap.add_argument("--prune-seqlen", type=int, default=256)
-    ap.add_argument("--epochs", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=CompensateConfig.epochs)
+    ap.add_argument("--batch-size", type=int, default=CompensateConfig.batch_size)
     ap.add_argument("--eval-windows", type=int, default=32)
     ap.add_argument("--eval-seqlen", type=int, default=256)
     ap.add_argument("--patterns", default="unstructured,2:4")
@@ -165,7 +166,10 @@ def main() -> None:
                         "prune": f"Wanda, builtin calibration {args.prune_samples} x {args.prune_seqlen}",
                         "calibration": f"builtin, seed 0, {args.samples} x {args.seqlen} tokens (LaCo 1/4: {args.samples // 4})",
                         "epochs": args.epochs,
-                        "batch_size": args.batch_size, "device": "cpu", "threads": torch.get_num_threads()},
+                        "batch_size": args.batch_size, "device": "cpu", "threads": torch.get_num_threads(),
+                        "laco": {"loss": CompensateConfig.loss, "lr": CompensateConfig.lr},
+                        "lora": {"rank": CompensateConfig.lora_rank, "alpha": CompensateConfig.lora_alpha,
+                                 "lr": CompensateConfig.lora_lr}},
            "results": results, "goals": goals(results), "wall_s": round(time.perf_counter() - t0, 1)}
     write_json(args.out, doc)
     print(table(results))
