@@ -130,3 +130,32 @@ def test_resume_with_other_settings_is_refused(tiny_llama_dir, sparse_unstructur
         run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(), sparse_unstructured_dir, tmp_path / "o")
     with pytest.raises(ConfigError, match="other settings"):
         run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(lr=5e-4), sparse_unstructured_dir, tmp_path / "o", resume=True)
+
+
+def test_qwen2_biases_with_disk_offload(tiny_qwen2_dir, tmp_path):
+    from compensate_sparse import make_unstructured
+
+    sparse = make_unstructured(tiny_qwen2_dir, tmp_path / "qwen_sparse")
+    res = run(ModelConfig(model=str(tiny_qwen2_dir)), DATA, _cfg(epochs=2, offload="disk"), sparse, tmp_path / "out")
+    _assert_same_pattern(sparse, tmp_path / "out")
+    a, b = _weights(sparse), _weights(tmp_path / "out")
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.bias"], b["model.layers.0.self_attn.q_proj.bias"])
+    assert all(r["nmse_after"] <= r["nmse_before"] for r in res.per_layer)
+
+
+def test_after_real_wanda_prune(tiny_llama_dir, tmp_path):
+    """The contract with the prune stage: its directory, config summary and sparsity.json."""
+    from laco_deploy.config import PruneConfig
+    from laco_deploy.prune import run as prune
+
+    pruned = tmp_path / "wanda24"
+    prune(ModelConfig(model=str(tiny_llama_dir)), DataConfig(samples=8, seqlen=32), PruneConfig(method="wanda", pattern="2:4"),
+          pruned, device=torch.device("cpu"))
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=2), pruned, tmp_path / "out")
+    _assert_same_pattern(pruned, tmp_path / "out")
+    before = json.loads((pruned / "sparsity.json").read_text())
+    after = json.loads((tmp_path / "out" / "sparsity.json").read_text())
+    assert after["overall"] == before["overall"] and after["compensate"]["sparsity_after"] == before["overall"]["sparsity"]
+    assert res.sparsity == before["overall"]["sparsity"] and res.pattern == "2:4"
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["laco_deploy"]
+    assert cfg["prune_method"] == "wanda" and cfg["stage"] == "compensate" and cfg["pattern"] == "2:4"
