@@ -50,3 +50,16 @@ def test_debug_shows_the_traceback(cli, tmp_path):
 def test_unknown_option_is_usage_error(cli):
     code, _, err = cli("inspect", "--no-such-flag")
     assert code == 2 and "No such option" in err
+
+
+def test_threads_option_sets_torch_threads(cli, tiny_llama_dir):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        code, _, _ = cli("--threads", "2", "inspect", "--model", tiny_llama_dir)
+        assert code == 0 and torch.get_num_threads() == 2  # conftest pins 1
+        code, _, err = cli("--threads", "0", "inspect", "--model", tiny_llama_dir)
+        assert code == 2 and "--threads" in err
+    finally:
+        torch.set_num_threads(before)

@@ -47,8 +47,17 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors in the log."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    threads: int = typer.Option(
+        None, "--threads", min=1, envvar="LACO_DEPLOY_THREADS",
+        help="PyTorch CPU threads for pruning, compensation and fidelity (default: PyTorch's, usually all "
+        "cores). On a busy machine 1 is often several times faster than oversubscribed cores. "
+        "Runtime benchmarks have their own --threads."),
 ) -> None:
     state.debug = debug
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     level = logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub", "transformers", "torch"):
