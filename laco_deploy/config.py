@@ -88,6 +88,10 @@ class PruneConfig:
             errs.append("--structured and --pattern cannot be combined: pick one sparsity pattern")
         if self.offload not in ("cpu", "disk"):
             errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
+        if self.trainable not in ("weights", "channel", "lowrank"):
+            errs.append(f"--trainable {self.trainable!r} is not one of weights, channel, lowrank")
+        if self.correction_rank < 1:
+            errs.append(f"--correction-rank {self.correction_rank} must be at least 1")
         bad = [t for t in self.targets if t not in PRUNABLE_LINEARS]
         if bad:
             errs.append(f"--targets {','.join(bad)} unknown; choose from {','.join(PRUNABLE_LINEARS)}")
@@ -122,6 +126,8 @@ class CompensateConfig:
     grad_accum: int = 1
     loss: str = "nmse"  # mse | nmse | cos_mse | subblock
     train_norms: bool = False
+    trainable: str = "weights"  # weights (surviving weights) | channel | lowrank (corrections merged under the mask)
+    correction_rank: int = 8  # rank of the lowrank correction
     val_fraction: float = 0.125  # held-out share of calibration samples for early stopping
     patience: int = 2  # epochs without validation improvement before stopping
     lora_rank: int = 8
@@ -158,6 +164,10 @@ class CompensateConfig:
             errs.append(f"--lora-rank {self.lora_rank} must be at least 1 and --lora-lr {self.lora_lr} positive")
         if self.offload not in ("cpu", "disk"):
             errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
+        if self.trainable not in ("weights", "channel", "lowrank"):
+            errs.append(f"--trainable {self.trainable!r} is not one of weights, channel, lowrank")
+        if self.correction_rank < 1:
+            errs.append(f"--correction-rank {self.correction_rank} must be at least 1")
         if self.weight_decay < 0 or not 0.0 <= self.warmup_fraction < 1.0:
             errs.append("--weight-decay must be >= 0 and --warmup-fraction in [0, 1)")
         if not self.lr_last_factor > 0:

@@ -46,6 +46,8 @@ def compensate_command(
     batch_size: Annotated[int, typer.Option("--batch-size", help="Samples per step.")] = _C.batch_size,
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Steps of gradient accumulation per update.")] = _C.grad_accum,
     train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="LaCo: also train the RMSNorm scales.")] = _C.train_norms,
+    trainable: Annotated[str, typer.Option("--trainable", help="LaCo: what is trained. weights: the surviving weights (best measured); channel: one scale per output channel; lowrank: a rank --correction-rank update under the mask. The corrections are merged back, so the model has no extra modules; they need less gradient and optimizer memory.")] = _C.trainable,
+    correction_rank: Annotated[int, typer.Option("--correction-rank", help="Rank of the lowrank correction.")] = _C.correction_rank,
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Held-out share of calibration samples for early stopping (0: none).")] = _C.val_fraction,
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
@@ -68,6 +70,7 @@ def compensate_command(
     dcfg = DataConfig(calib=calib, samples=samples if samples is not None else _D.samples, seqlen=seqlen, seed=seed)
     ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
                             batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
+                            trainable=trainable, correction_rank=correction_rank,
                             val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())

@@ -27,7 +27,9 @@ def config_summary(info: dict[str, Any], cfg: CompensateConfig, budget, sparsity
     out.update({"stage": "compensate", "prune_method": info.get("method"), "method": cfg.method,
                 "samples": budget.samples, "seqlen": budget.seqlen, "epochs": cfg.epochs, "sparsity": sparsity})
     if cfg.method == "laco":
-        out.update({"loss": cfg.loss, "lr": cfg.lr, "train_norms": cfg.train_norms})
+        out.update({"loss": cfg.loss, "lr": cfg.lr, "train_norms": cfg.train_norms, "trainable": cfg.trainable})
+        if cfg.trainable == "lowrank":
+            out["correction_rank"] = cfg.correction_rank
     else:
         out.update({"loss": "lm", "lora_rank": cfg.lora_rank, "lora_lr": cfg.lora_lr, "merge": "under mask"})
     return out

@@ -2,10 +2,11 @@
 
 Inputs are the sparse-path hidden states of the layer, targets the dense path's; both stay in
 their ActivationCache (CPU or disk) and only one batch at a time goes to the device. The
-surviving weights are trained with AdamW under a cosine schedule; after every update the
-masked positions are set back to +0.0, so the sparsity pattern never changes. Early stopping
-watches a held-out slice of the samples and the best state (the untouched layer included) is
-kept, so a layer never leaves worse than it came on held-out data.
+surviving weights (or a lighter correction merged afterwards, see corrections.py) are trained
+with AdamW under a cosine schedule; after every update the masked positions are set back to
++0.0, so the sparsity pattern never changes. Early stopping watches a held-out slice of the
+samples and the best state (the untouched layer included) is kept, so a layer never leaves worse
+than it came on held-out data.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from laco_deploy.compensate import losses
+from laco_deploy.compensate.corrections import Corrections
 from laco_deploy.compensate.masks import apply_masks, mask_grads
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig
@@ -77,12 +79,15 @@ def layer_forward(layer, hidden: torch.Tensor, kwargs: dict, want_mid: bool) -> 
     return out, (caught[0] if caught else None)
 
 
-def trainable_parameters(layer, masks: dict[str, torch.Tensor], train_norms: bool) -> list[torch.nn.Parameter]:
-    """Surviving weights (and biases) of the pruned linears, plus norm scales if asked."""
+def trainable_parameters(layer, masks: dict[str, torch.Tensor], train_norms: bool,
+                         train_weights: bool = True) -> list[torch.nn.Parameter]:
+    """Surviving weights (unless a correction is trained instead) and biases of the pruned
+    linears, plus norm scales if asked."""
     params = []
     for name in masks:
         lin = layer.get_submodule(name)
-        params.append(lin.weight)
+        if train_weights:
+            params.append(lin.weight)
         if lin.bias is not None:
             params.append(lin.bias)
     if train_norms:
@@ -107,7 +112,12 @@ class LayerTrainer:
         self.lr, self.device, self.seed, self.resident = lr, device, seed, resident
         self.subblock = cfg.loss == "subblock"
         self.loss_fn = losses.get_loss(cfg.loss)
-        self.params = trainable_parameters(layer, masks, cfg.train_norms)
+        self.corrections = (Corrections(layer, masks, cfg.trainable, cfg.correction_rank, seed)
+                            if cfg.trainable != "weights" else None)
+        self.params = trainable_parameters(layer, masks, cfg.train_norms, train_weights=self.corrections is None)
+        if self.corrections is not None:
+            self.params = self.corrections.params + self.params
+            self.resident = resident + self.corrections.params
         self.working_set: dict[str, int] | None = None
 
     def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -202,6 +212,8 @@ class LayerTrainer:
                     break
         self._restore(best_state)
         self.layer.requires_grad_(False)
+        if self.corrections is not None:
+            self.corrections.merge()  # the layer is plain again; `after` measures the merged weights
         after = self.evaluate(watch)
         return {
             "loss_before": before["loss"], "loss_after": after["loss"],
