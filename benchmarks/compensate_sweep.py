@@ -49,6 +49,11 @@ VARIANTS = {
     "lora_lr3e-3": ["--lora-lr", "3e-3"],
     "lora_bs2_lr1e-3": ["--lora-lr", "1e-3", "--batch-size", "2"],
     "mse_lr3e-4": ["--loss", "mse", "--lr", "3e-4"],
+    "channel_bs2_lr3e-3": ["--trainable", "channel", "--batch-size", "2", "--lr", "3e-3"],
+    "channel_bs2_lr1e-2": ["--trainable", "channel", "--batch-size", "2", "--lr", "1e-2"],
+    "lowrank8_bs2_lr3e-3": ["--trainable", "lowrank", "--batch-size", "2", "--lr", "3e-3"],
+    "lowrank8_bs2_lr1e-3": ["--trainable", "lowrank", "--batch-size", "2", "--lr", "1e-3"],
+    "lowrank32_bs2_lr1e-3": ["--trainable", "lowrank", "--correction-rank", "32", "--batch-size", "2", "--lr", "1e-3"],
     "lora": [],
     "lora_lr1e-3": ["--lora-lr", "1e-3"],
 }
@@ -84,7 +89,8 @@ def main() -> None:
         ppl = perplexity(res["model_dir"], windows)
         d, p = doc["rows"]["dense"]["ppl"], doc["rows"]["pruned"]["ppl"]
         doc["rows"][name] = {"ppl": round(ppl, 3), "gap_closed": round((p - ppl) / (p - d), 4), "wall_s": res["wall_s"],
-                             "args": VARIANTS[name], "elapsed_s": round(time.perf_counter() - t0, 1)}
+                             "args": VARIANTS[name], "elapsed_s": round(time.perf_counter() - t0, 1),
+                             "device_ws_mib": res["settings"]["memory"]["device_working_set_mib"]}
         doc["protocol"] = {"samples": args.samples, "seqlen": args.seqlen, "epochs": args.epochs, "eval": f"{len(windows)} x 256",
                            "threads": torch.get_num_threads()}
         write_json(args.out, doc)

@@ -80,5 +80,7 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
         lines.append("gates            none set (--max-kl, --min-top1, --max-ppl-ratio)")
     walls = summary.get("stage_wall_s", {})
     reused = set(summary.get("stage_reused", []))
-    lines.append("stages           " + "  ".join(f"{k}={'reused' if k in reused else _fmt(v) + 's'}" for k, v in walls.items()))
+    ran = sum(v for k, v in walls.items() if k not in reused and v is not None)
+    lines.append("stages           " + "  ".join(f"{k}={'reused' if k in reused else ('-' if v is None else _fmt(v) + 's')}" for k, v in walls.items())
+                 + f"  (total {_fmt(ran)}s)")
     return lines

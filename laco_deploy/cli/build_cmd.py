@@ -65,7 +65,7 @@ def build_command(
     manifest = build(cfg, on_stage=lambda s, st: console.print(f"stage {s:<10} {status_words.get(st, st)}"))
     console.print()
     for line in summary_lines(manifest["summary"], cfg.out):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, soft_wrap=True)  # tables stay intact in narrow terminals and logs
     if not manifest["summary"].get("gates_passed", True):
         failed = [g for g in manifest["summary"].get("gates", []) if not g.get("passed")]
         raise GateFailed("gate failed: " + "; ".join(f"{g['name']} {g.get('value')} vs limit {g.get('threshold')}" for g in failed))
