@@ -305,7 +305,7 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
     for path in models.values():
         _check_gguf_file(Path(path))
     import llama_cpp
-    from tqdm import tqdm
+    from laco_deploy.progress import progress_bar
 
     from laco_deploy.data import load_texts
 
@@ -314,7 +314,7 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
     n_gpu_layers = _gpu_layers(device)
     extra_buffers = extra_buffers_work()
     results: dict[str, dict[str, Any]] = {}
-    for label, path in tqdm(list(models.items()), desc="llama.cpp bench", unit="model"):
+    for label, path in progress_bar(list(models.items()), desc="llama.cpp bench", unit="model"):
         results[label] = _run_one(label, Path(path), text, cfg, threads, n_gpu_layers, extra_buffers)
     ref = next(iter(results.values()))
     for metrics in results.values():

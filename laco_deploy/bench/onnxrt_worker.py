@@ -173,7 +173,7 @@ def _run_one(label: str, path: Path, job: dict[str, Any]) -> dict[str, Any]:
 def run_all(models: dict[str, Path], *, eval_spec: str, cfg, device: str = "cpu"):
     """Benchmark ONNX exports side by side; the first is the reference for speed ratios."""
     import onnxruntime as ort
-    from tqdm import tqdm
+    from laco_deploy.progress import progress_bar
 
     from laco_deploy.artifacts import BenchResult
 
@@ -185,7 +185,7 @@ def run_all(models: dict[str, Path], *, eval_spec: str, cfg, device: str = "cpu"
     providers_for(device)  # a missing CUDA provider fails here, before any work
     threads = cfg.threads or physical_cores()
     results: dict[str, dict[str, Any]] = {}
-    for label, path in tqdm(list(models.items()), desc="onnxruntime bench", unit="model"):
+    for label, path in progress_bar(list(models.items()), desc="onnxruntime bench", unit="model"):
         job = {"device": device, "threads": threads, "repetitions": cfg.repetitions, "n_gen": cfg.n_gen,
                **eval_tokens(Path(path), eval_spec, cfg)}
         results[label] = {**_run_one(label, Path(path), job), "size_mib": export_bytes(Path(path)) / 2**20}

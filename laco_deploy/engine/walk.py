@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
+from laco_deploy.progress import interactive, progress_bar, set_status
 
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs, kwargs_on
@@ -154,9 +154,9 @@ def walk_layers(
             dense_in = dense_inputs.hidden
     sparse_out, dense_out = sparse_in.clone_empty(), (dense_in.clone_empty() if dense_in is not None else None)
     records: list[dict] = []
-    bar = tqdm(range(len(layers)), desc=desc or "layers", unit="layer", dynamic_ncols=True)
+    bar = progress_bar(range(len(layers)), desc=desc or "layers", unit="layer")
     for i in bar:
-        bar.set_description(f"layer {i + 1}/{len(layers)} {desc}".strip())
+        bar.set_description(f"layer {i + 1}/{len(layers)} {desc}".strip(), refresh=interactive())
         if layer_loader is not None:
             layer_loader.load(i, layers[i])
         if dense_loader is not None and paths is Paths.BOTH:
@@ -164,7 +164,7 @@ def walk_layers(
         layer = layers[i].to(device)
         dense_layer = dense_layers[i].to(device) if paths is Paths.BOTH else None
         ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs, device, batch_size, dense_layer, dense_in,
-                           dense_out, progress=lambda s: bar.set_postfix_str(s, refresh=True))
+                           dense_out, progress=lambda s: set_status(bar, s))
         if dense_layer is not None:
             ctx.run(dense_layer, dense_in, dense_out)
         weights_file, record_file = _checkpoint_paths(checkpoint_dir, i) if checkpoint_dir else (None, None)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+from laco_deploy.progress import progress_bar
 
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import TorchRunner, open_runner
@@ -158,7 +158,7 @@ def _evaluate(windows: torch.Tensor, dense: TorchRunner, runners: dict, stats: d
     """Window by window: dense forward once, every candidate compared with it. Returns dense (NLL sum, count)."""
     need_layers = any(s.curves is not None for s in stats.values())
     nll_sum, nll_count = 0.0, 0
-    for w in tqdm(range(windows.shape[0]), desc="fidelity", unit="window", dynamic_ncols=True):
+    for w in progress_bar(range(windows.shape[0]), desc="fidelity", unit="window"):
         ids = windows[w]
         if need_layers:
             d_logits, d_hidden = forward_with_layers(dense.model, ids, device)
