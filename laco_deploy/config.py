@@ -88,10 +88,6 @@ class PruneConfig:
             errs.append("--structured and --pattern cannot be combined: pick one sparsity pattern")
         if self.offload not in ("cpu", "disk"):
             errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
-        if self.trainable not in ("weights", "channel", "lowrank"):
-            errs.append(f"--trainable {self.trainable!r} is not one of weights, channel, lowrank")
-        if self.correction_rank < 1:
-            errs.append(f"--correction-rank {self.correction_rank} must be at least 1")
         bad = [t for t in self.targets if t not in PRUNABLE_LINEARS]
         if bad:
             errs.append(f"--targets {','.join(bad)} unknown; choose from {','.join(PRUNABLE_LINEARS)}")
