@@ -8,7 +8,9 @@ traceback instead.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 
 import typer
 
@@ -68,11 +70,39 @@ def _root(
 from laco_deploy.cli import stages  # noqa: E402,F401
 
 
+TYPER_INTERRUPT_CODE = 130  # typer turns KeyboardInterrupt into Exit(130), which app() returns
+_terminated = False  # set by the SIGTERM handler, so the interrupt path can exit 143 instead of 130
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (a cancelled CI job, `docker stop`, `kill`) unwinds like Ctrl-C, removing partial files."""
+    global _terminated
+    _terminated = True
+    raise KeyboardInterrupt
+
+
+def _interrupted() -> None:
+    err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
+    sys.exit(143 if _terminated else 130)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app, map errors to messages and exit codes."""
+    global _terminated
+    _terminated = False
     args = sys.argv[1:] if argv is None else argv
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
-        app(args=args, prog_name="laco-deploy", standalone_mode=False)
+        _run(args)
+    finally:
+        if on_main_thread and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: list[str]) -> None:
+    try:
+        code = app(args=args, prog_name="laco-deploy", standalone_mode=False)
     except LacoError as e:
         if state.debug:
             raise
@@ -84,11 +114,12 @@ def main(argv: list[str] | None = None) -> None:
         e.show()
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
-        err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
-        sys.exit(130)
+        _interrupted()
     except Exception as e:  # a bug, not a user error: one line unless --debug
         if state.debug:
             raise
         err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback and please report it)", highlight=False, soft_wrap=True)
         sys.exit(3)
-    sys.exit(0)
+    if code == TYPER_INTERRUPT_CODE:
+        _interrupted()
+    sys.exit(code if isinstance(code, int) else 0)
