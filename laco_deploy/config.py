@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 
 
 @dataclass(frozen=True)
@@ -162,8 +163,8 @@ class CompensateConfig:
             errs.append(f"--lora-rank {self.lora_rank} must be at least 1 and --lora-lr {self.lora_lr} positive")
         if self.offload not in ("cpu", "disk"):
             errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
-        if self.trainable not in ("weights", "channel", "lowrank"):
-            errs.append(f"--trainable {self.trainable!r} is not one of weights, channel, lowrank")
+        if self.trainable not in TRAINABLE:
+            errs.append(f"--trainable {self.trainable!r} is not one of {', '.join(TRAINABLE)}")
         if self.correction_rank < 1:
             errs.append(f"--correction-rank {self.correction_rank} must be at least 1")
         if self.weight_decay < 0 or not 0.0 <= self.warmup_fraction < 1.0:

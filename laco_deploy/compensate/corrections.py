@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-KINDS = ("weights", "channel", "lowrank")
-
 
 class Corrections:
     """Trainable corrections on the pruned linears of one layer, applied with forward hooks."""
@@ -27,7 +25,7 @@ class Corrections:
         self.factors: dict[str, list[torch.nn.Parameter]] = {}
         self._hooks = []
         gen = torch.Generator().manual_seed(seed)
-        for name, mask in masks.items():
+        for name in masks:
             lin = layer.get_submodule(name)
             w = lin.weight
             if kind == "channel":

@@ -22,13 +22,13 @@ from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
-from laco_deploy.progress import interactive, progress_bar, set_status
 
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs, kwargs_on
 from laco_deploy.errors import ConfigError
 from laco_deploy.fsutil import atomic_path, write_json
 from laco_deploy.models import decoder_layers
+from laco_deploy.progress import interactive, progress_bar, set_status
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from laco_deploy.progress import progress_bar
 
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import TorchRunner, open_runner
@@ -28,6 +27,7 @@ from laco_deploy.fidelity.gates import evaluate_gates
 from laco_deploy.fidelity.layerwise import LayerCurves, forward_with_layers
 from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
 from laco_deploy.models import decoder_layers, load_model, resolve_device
+from laco_deploy.progress import progress_bar
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1

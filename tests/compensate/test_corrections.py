@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_laco import DATA, _assert_same_pattern
 
 from laco_deploy.compensate import run
 from laco_deploy.compensate.corrections import Corrections
-from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
-from test_laco import DATA, _assert_same_pattern
+from laco_deploy.config import CompensateConfig, ModelConfig
 
 
 def _sparse_block(bias: bool) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
