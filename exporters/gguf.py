@@ -29,6 +29,7 @@ from exporters.gguf_names import F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
 from laco_deploy.artifacts import ExportResult
 from laco_deploy.errors import ExportError
 from laco_deploy.fsutil import atomic_path
+from laco_deploy.targets import GGUF
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
     if plan.per_layer:
         notes.append(f"per-layer widths: written as architecture {plan.arch_name} (llama.cpp reads per-layer "
                      "feed_forward_length and head counts)")
-    return ExportResult(target="gguf", quant=quant, path=str(out_path), size_bytes=out_path.stat().st_size,
+    return ExportResult(target=GGUF.name, quant=quant, path=str(out_path), size_bytes=out_path.stat().st_size,
                         checks=checks, notes=notes, wall_s=round(time.perf_counter() - t0, 2))
 
 

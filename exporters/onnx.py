@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from laco_deploy.artifacts import ExportResult
-from laco_deploy.config import ONNX_TYPES
 from laco_deploy.errors import ExportError, LacoError
 from laco_deploy.fsutil import atomic_dir
+from laco_deploy.targets import ONNX
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     if getattr(config, "laco_layer_widths", None):
         ffn = sorted({w["intermediate_size"] for w in config.laco_layer_widths})
         notes.append(f"structured widths exported: FFN sizes {ffn} (dense {config.intermediate_size})")
-    return ExportResult(target="onnx", quant=quant, path=str(out_dir), size_bytes=size, checks=checks, notes=notes,
+    return ExportResult(target=ONNX.name, quant=quant, path=str(out_dir), size_bytes=size, checks=checks, notes=notes,
                         wall_s=round(time.perf_counter() - t0, 2))
 
 
@@ -82,8 +82,8 @@ def model_bytes(folder: Path) -> int:
 def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
     from laco_deploy.models import SUPPORTED_ARCHITECTURES
 
-    if quant not in ONNX_TYPES:
-        raise ExportError(f"ONNX type {quant!r} is not supported; choose one of {', '.join(ONNX_TYPES)} (--quant)")
+    if quant not in ONNX.quant_types:
+        raise ExportError(f"ONNX type {quant!r} is not supported; choose one of {', '.join(ONNX.quant_types)} (--quant)")
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
         raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json); pass a folder written by prune/compensate, or 'default'")

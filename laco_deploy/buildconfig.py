@@ -22,6 +22,7 @@ import yaml
 
 from laco_deploy.config import BuildConfig
 from laco_deploy.errors import ConfigError
+from laco_deploy.targets import TARGETS
 
 
 def _section_types() -> dict[str, type]:
@@ -90,8 +91,10 @@ def _cross_checks(cfg: BuildConfig) -> list[str]:
     errs = []
     if cfg.compensate.method == "lora" and cfg.prune.structured is not None:
         errs.append("--recover lora with --structured: LoRA merges need the original shapes; use --recover laco")
-    if cfg.export.sparse_storage and cfg.export.target != "onnx":
-        errs.append("--sparse-storage only applies to --target onnx")
+    target = TARGETS.get(cfg.export.target)  # an unknown target is reported by ExportConfig.validate
+    if cfg.export.sparse_storage and target is not None and not target.sparse_storage:
+        able = " or ".join(t.name for t in TARGETS.values() if t.sparse_storage)
+        errs.append(f"--sparse-storage only applies to --target {able}")
     if cfg.export.sparse_storage and cfg.prune.structured is not None:
         errs.append("--sparse-storage has nothing to compress for --structured models (they are dense and smaller)")
     return errs

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from laco_deploy.targets import GGUF, TARGETS
+
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 
@@ -198,26 +200,23 @@ class FidelityConfig:
         return errs
 
 
-GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
-ONNX_TYPES = ("fp32", "fp16", "int8")
-
-
 @dataclass(frozen=True)
 class ExportConfig:
-    target: str = "gguf"  # gguf | onnx
-    quant: str | None = None  # None: q8_0 for GGUF, fp32 for ONNX
-    sparse_storage: bool = False  # ONNX: store sparse weights compactly
+    target: str = GGUF.name  # a name in targets.TARGETS
+    quant: str | None = None  # None: the target's default_quant (targets.py)
+    sparse_storage: bool = False  # store sparse weights compactly (targets that support it)
 
     @property
     def resolved_quant(self) -> str:
+        """The weight type to write (the target's default when unset); call on a validated config."""
         if self.quant is not None:
             return self.quant.lower()
-        return "q8_0" if self.target == "gguf" else "fp32"
+        return TARGETS[self.target].default_quant
 
     def validate(self) -> list[str]:
-        if self.target not in ("gguf", "onnx"):
-            return [f"--target {self.target!r} is not one of gguf, onnx"]
-        allowed = GGUF_TYPES if self.target == "gguf" else ONNX_TYPES
+        if self.target not in TARGETS:
+            return [f"--target {self.target!r} is not one of {', '.join(TARGETS)}"]
+        allowed = TARGETS[self.target].quant_types
         if self.resolved_quant not in allowed:
             return [f"--quant {self.quant!r} is not valid for {self.target}; choose from {', '.join(allowed)}"]
         return []

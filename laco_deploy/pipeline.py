@@ -23,6 +23,7 @@ from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.fsutil import sha256_tree, write_json
 from laco_deploy.memory import measure
 from laco_deploy.models import resolve_device
+from laco_deploy.targets import TARGETS
 
 log = logging.getLogger(__name__)
 STAGES = ("prune", "compensate", "export", "fidelity", "bench")
@@ -65,9 +66,11 @@ class Layout:
         return self.root / "recovered"
 
     def exported(self, label: str = "model") -> Path:
-        if self.target == "gguf":
-            return self.root / (f"{label}.{self.quant}.gguf" if label == "model" else f"reference/{label}.{self.quant}.gguf")
-        return self.root / (f"onnx-{self.quant}" if label == "model" else f"reference/{label}-onnx-{self.quant}")
+        """The exported model ("model") at the top, the dense/pruned references under reference/."""
+        target = TARGETS[self.target]
+        if label == "model":
+            return self.root / target.build_artifact.format(quant=self.quant)
+        return self.root / "reference" / target.artifact_name(label, self.quant)
 
     @property
     def manifest(self) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from laco_deploy.config import to_dict
+from laco_deploy.targets import TARGETS
 
 if TYPE_CHECKING:
     from laco_deploy.pipeline import Builder
@@ -58,21 +59,12 @@ def stage_compensate(b: "Builder", pruned: Path) -> Path:
     return out
 
 
-def _export_one(target: str, model_dir: Path, dest: Path, quant: str, sparse_storage: bool):
-    if target == "gguf":
-        from exporters.gguf import export
-
-        return export(model_dir, dest, quant)
-    from exporters.onnx import export
-
-    return export(model_dir, dest, quant, sparse_storage=sparse_storage)
-
-
 def stage_export(b: "Builder", pruned: Path, recovered: Path) -> dict[str, Path]:
     """Export the recovered model, plus dense and pruned references for the runtime comparison."""
     from laco_deploy.models import local_model_dir
 
     cfg, lay = b.cfg, b.layout
+    target = TARGETS[cfg.export.target]
     dense_dir = local_model_dir(cfg.model.model, allow_pickle=cfg.model.allow_pickle)
     sources = {"dense": dense_dir, "pruned": pruned}
     if recovered != pruned:
@@ -89,7 +81,7 @@ def stage_export(b: "Builder", pruned: Path, recovered: Path) -> dict[str, Path]
         results = {}
         for label, src in sources.items():
             sparse = cfg.export.sparse_storage and label != "dense"
-            results[label] = _export_one(cfg.export.target, src, outputs[label], lay.quant, sparse).to_dict()
+            results[label] = target.export(src, outputs[label], lay.quant, sparse_storage=sparse).to_dict()
         return results
 
     b.stage("export", settings, inputs, outputs, run)
@@ -118,10 +110,7 @@ def stage_bench(b: "Builder", exported: dict[str, Path]):
     from laco_deploy.fsutil import write_json
 
     cfg = b.cfg
-    if cfg.export.target == "gguf":
-        from laco_deploy.bench.llamacpp import run_benchmark
-    else:
-        from laco_deploy.bench.onnxrt import run_benchmark
+    target = TARGETS[cfg.export.target]
     out = b.layout.root / "bench.json"
     models = {"dense": exported["dense"]}
     if "pruned" in exported:
@@ -131,8 +120,8 @@ def stage_bench(b: "Builder", exported: dict[str, Path]):
     inputs = {label: b.manifest["stages"]["export"]["files"][label]["sha256"] for label in exported}
 
     def run():
-        device = "cuda" if b.device.type == "cuda" and cfg.export.target == "onnx" else "cpu"
-        result = run_benchmark(models, eval_spec=cfg.data.eval, cfg=cfg.bench, device=device)
+        result = target.run_benchmark(models, eval_spec=cfg.data.eval, cfg=cfg.bench,
+                                      device=target.runtime_device(b.device))
         write_json(out, result.to_dict())
         return result
 

@@ -12,10 +12,11 @@ from typing import Protocol
 import torch
 
 from laco_deploy.errors import ModelError
+from laco_deploy.targets import target_for_path
 
 
 class CausalRunner(Protocol):
-    name: str  # "pytorch" | "onnxruntime" | "llama.cpp"
+    name: str  # "pytorch" or a target's runtime (targets.py)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits for one sequence. input_ids [seq] int64 -> [seq, vocab] float32 on CPU."""
@@ -36,19 +37,14 @@ class TorchRunner:
 
 
 def open_runner(path: str | Path, device: torch.device | str = "cpu", threads: int | None = None) -> CausalRunner:
-    """A runner for a candidate: a .gguf file (llama.cpp), an .onnx file or ONNX export folder
-    (onnxruntime), or a Hugging Face directory (PyTorch)."""
+    """A runner for a candidate: an export of a target in targets.py (a .gguf file, an .onnx file or
+    ONNX export folder) on that target's runtime, or a Hugging Face directory (PyTorch)."""
     p = Path(path)
     if not p.exists():
         raise ModelError(f"candidate {path} not found; pass a Hugging Face directory, an .onnx file/folder or a .gguf file")
-    if p.suffix.lower() == ".gguf":
-        from laco_deploy.bench.llamacpp import LlamaCppRunner
-
-        return LlamaCppRunner(p, threads=threads)
-    if p.suffix.lower() == ".onnx" or (p.is_dir() and (p / "model.onnx").is_file()):
-        from laco_deploy.bench.onnxrt import OrtRunner
-
-        return OrtRunner(p, device=device, threads=threads)
+    target = target_for_path(p)
+    if target is not None:
+        return target.open_runner(p, device=device, threads=threads)
     from laco_deploy.models import load_model
 
     return TorchRunner(load_model(str(p)).model, device)

@@ -11,20 +11,20 @@ from laco_deploy.cli import app
 from laco_deploy.cli.common import EvalOpt, check, console, parse_labeled_paths
 from laco_deploy.config import BenchConfig, DataConfig
 from laco_deploy.errors import ConfigError
+from laco_deploy.targets import GGUF, RUNTIMES
 
 bench_app = typer.Typer(
     help="Benchmark exported models on their runtime (`bench run`), or compare two benchmark results (`bench compare`).",
     no_args_is_help=True,
 )
 app.add_typer(bench_app, name="bench")
-RUNTIMES = ("llama.cpp", "onnxruntime")
 _B = BenchConfig()
 
 
 @bench_app.command("run")
 def bench_run(
     models: Annotated[list[str], typer.Argument(help="Exported models as LABEL=PATH (.gguf files for llama.cpp; ONNX folders or .onnx files for onnxruntime). The first is the reference for speed ratios.")],
-    runtime: Annotated[str, typer.Option("--runtime", "-r", help="llama.cpp or onnxruntime.")] = "llama.cpp",
+    runtime: Annotated[str, typer.Option("--runtime", "-r", help=" or ".join(RUNTIMES) + ".")] = GGUF.runtime,
     eval_: EvalOpt = DataConfig.eval,
     repetitions: Annotated[int, typer.Option("--repetitions", help="Timed repetitions per measurement (median and spread reported).")] = _B.repetitions,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all physical cores).")] = _B.threads,
@@ -41,11 +41,7 @@ def bench_run(
     cfg = BenchConfig(repetitions=repetitions, threads=threads, n_prompt=n_prompt, n_gen=n_gen, ppl_ctx=ppl_ctx, ppl_windows=ppl_windows)
     check(cfg.validate())
     paths = parse_labeled_paths(models, "model", "an exported model (.gguf file for llama.cpp, ONNX folder or .onnx file for onnxruntime)")
-    if runtime == "llama.cpp":
-        from laco_deploy.bench.llamacpp import run_benchmark
-    else:
-        from laco_deploy.bench.onnxrt import run_benchmark
-    result = run_benchmark(paths, eval_spec=eval_, cfg=cfg, device=device)
+    result = RUNTIMES[runtime].run_benchmark(paths, eval_spec=eval_, cfg=cfg, device=device)
     from laco_deploy.bench.report import bench_table
 
     console.print(bench_table(result))

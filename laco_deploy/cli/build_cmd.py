@@ -11,6 +11,7 @@ from laco_deploy.cli import app
 from laco_deploy.cli.common import console
 from laco_deploy.config import BuildConfig
 from laco_deploy.errors import GateFailed
+from laco_deploy.targets import quant_help, target_help
 
 _B = BuildConfig()
 Opt = typer.Option
@@ -18,7 +19,7 @@ Opt = typer.Option
 
 @app.command("build")
 def build_command(
-    target: Annotated[Optional[str], Opt("--target", "-t", help=f"gguf (llama.cpp) or onnx (onnxruntime). (default: {_B.export.target})", show_default=False)] = None,
+    target: Annotated[Optional[str], Opt("--target", "-t", help=f"{target_help()}. (default: {_B.export.target})", show_default=False)] = None,
     model: Annotated[Optional[str], Opt("--model", "-m", help="Dense model: HF directory, .gguf file, hub id (online) or 'default' (SmolLM2-135M-Instruct). (default: default)", show_default=False)] = None,
     method: Annotated[Optional[str], Opt("--method", help=f"Pruning method: magnitude, wanda, sparsegpt. (default: {_B.prune.method})", show_default=False)] = None,
     sparsity: Annotated[Optional[float], Opt("--sparsity", help=f"Unstructured sparsity per row, in [0, 1). (default: {_B.prune.sparsity})", show_default=False)] = None,
@@ -31,7 +32,7 @@ def build_command(
     seqlen: Annotated[Optional[int], Opt("--seqlen", help=f"Tokens per sample / evaluation window. (default: {_B.data.seqlen})", show_default=False)] = None,
     eval_samples: Annotated[Optional[int], Opt("--eval-samples", help=f"Evaluation windows. (default: {_B.data.eval_samples})", show_default=False)] = None,
     seed: Annotated[Optional[int], Opt("--seed", help=f"Seed for sampling and training. (default: {_B.data.seed})", show_default=False)] = None,
-    quant: Annotated[Optional[str], Opt("--quant", help="Export type. GGUF: f32 f16 bf16 q8_0 q4_k_m q5_k_m q6_k (default: q8_0); ONNX: fp32 fp16 int8 (default: fp32).", show_default=False)] = None,
+    quant: Annotated[Optional[str], Opt("--quant", help=f"Export type. {quant_help()}.", show_default=False)] = None,
     device: Annotated[Optional[str], Opt("--device", help="auto (CUDA when present), cpu, cuda, cuda:N. (default: auto)", show_default=False)] = None,
     out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
     config: Annotated[Optional[Path], Opt("--config", "-c", help="YAML file with any of these settings by section (model, data, prune, compensate, fidelity, export, bench); flags override it.", show_default=False)] = None,

@@ -9,14 +9,15 @@ import typer
 
 from laco_deploy.cli import app
 from laco_deploy.cli.common import check, console
-from laco_deploy.config import GGUF_TYPES, ONNX_TYPES, ExportConfig
+from laco_deploy.config import ExportConfig
+from laco_deploy.targets import TARGETS, quant_help, target_help
 
 
 @app.command("export")
 def export_command(
     model: Annotated[str, typer.Option("--model", "-m", help="Model to export: a Hugging Face directory (e.g. a pruned or compensated one) or 'default'.")] = "default",
-    target: Annotated[str, typer.Option("--target", "-t", help="gguf (llama.cpp) or onnx (onnxruntime).")] = ExportConfig.target,
-    quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. GGUF: {', '.join(GGUF_TYPES)} (default q8_0); ONNX: {', '.join(ONNX_TYPES)} (default fp32).")] = None,
+    target: Annotated[str, typer.Option("--target", "-t", help=f"{target_help()}.")] = ExportConfig.target,
+    quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. {quant_help()}.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: next to the model, named after it and the type.")] = None,
     sparse_storage: Annotated[bool, typer.Option("--sparse-storage", help="ONNX: store sparse weights compactly (loading densifies them; no speed-up).")] = ExportConfig.sparse_storage,
 ) -> None:
@@ -30,16 +31,9 @@ def export_command(
     from laco_deploy.models import ensure_default_converted
 
     model_dir = ensure_default_converted() if model == "default" else Path(model)
-    if cfg.target == "gguf":
-        from exporters.gguf import export as export_gguf
-
-        dest = out or Path(f"{model_dir.name}.{cfg.resolved_quant}.gguf")
-        result = export_gguf(model_dir, dest, cfg.resolved_quant)
-    else:
-        from exporters.onnx import export as export_onnx
-
-        dest = out or Path(f"{model_dir.name}-onnx-{cfg.resolved_quant}")
-        result = export_onnx(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage)
+    target = TARGETS[cfg.target]
+    dest = out or Path(target.artifact_name(model_dir.name, cfg.resolved_quant))
+    result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage)
     console.print(f"wrote {result.path} ({result.size_bytes / 2**20:.1f} MiB, {result.target} {result.quant})")
     for key, value in result.checks.items():
         console.print(f"  {key}: {value}")

@@ -1,0 +1,119 @@
+"""Export targets and their runtimes: one frozen record per target, read everywhere a target matters.
+
+A target couples an exporter (HF directory -> file or folder), the runtime that runs its output
+(a CausalRunner for fidelity, a benchmark), the names its artifacts get and the weight types it
+offers. Layout, export, bench, fidelity, the CLI and the config read these records; nothing else
+compares target or runtime names. A new target is a new record here plus its exporter and runner.
+
+Entry points are "module:attribute" strings, imported on first use, so that reading the registry
+(config validation, `--help`) never imports torch, onnxruntime or llama.cpp.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _load(entry: str) -> Any:
+    module, _, attr = entry.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # the --target value
+    runtime: str  # the --runtime value of `bench run`, and BenchResult.runtime
+    quant_types: tuple[str, ...]  # weight types the exporter writes
+    default_quant: str
+    exporter: str  # "module:function" (model_dir, dest, quant, **options) -> ExportResult
+    runner: str  # "module:class" CausalRunner(path, device=..., threads=...)
+    benchmark: str  # "module:function" (models, *, eval_spec, cfg, device) -> BenchResult
+    artifact: str  # export name next to a model: format(stem=, quant=)
+    build_artifact: str  # the exported model's name in a build folder: format(quant=)
+    file_suffix: str = ""  # a single file with this suffix is this target's output
+    folder_marker: str = ""  # a folder holding this file is this target's output
+    sparse_storage: bool = False  # the exporter can store sparse weights compactly
+    follows_device: bool = False  # the runtime runs on the build's device (CUDA); else always on the CPU
+    description: str = ""  # words for help texts
+
+    def artifact_name(self, stem: str, quant: str) -> str:
+        return self.artifact.format(stem=stem, quant=quant)
+
+    def owns(self, path: Path) -> bool:
+        """Whether `path` is an output of this target (a runtime can open it)."""
+        path = Path(path)
+        if self.file_suffix and path.suffix.lower() == self.file_suffix:
+            return True
+        return bool(self.folder_marker) and path.is_dir() and (path / self.folder_marker).is_file()
+
+    def export(self, model_dir: Path, dest: Path, quant: str, *, sparse_storage: bool = False):
+        """Run this target's exporter; -> ExportResult."""
+        options = {"sparse_storage": sparse_storage} if self.sparse_storage else {}
+        return _load(self.exporter)(Path(model_dir), Path(dest), quant, **options)
+
+    def runtime_device(self, device: Any) -> str:
+        """Where this target's runtime runs for a build on `device`: "cuda" or "cpu"."""
+        return "cuda" if self.follows_device and str(device).startswith("cuda") else "cpu"
+
+    def open_runner(self, path: Path, device: Any = "cpu", threads: int | None = None):
+        """A CausalRunner over an export of this target (on `device` where the runtime follows it)."""
+        cls = _load(self.runner)
+        if self.follows_device:
+            return cls(Path(path), device=str(device), threads=threads)
+        return cls(Path(path), threads=threads)
+
+    def run_benchmark(self, models: dict[str, Path], *, eval_spec: str, cfg, device: str = "cpu"):
+        return _load(self.benchmark)(models, eval_spec=eval_spec, cfg=cfg, device=device)
+
+
+GGUF = Target(
+    name="gguf",
+    runtime="llama.cpp",
+    quant_types=("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"),  # = exporters.gguf_names.QUANTS
+    default_quant="q8_0",
+    exporter="exporters.gguf:export",
+    runner="laco_deploy.bench.llamacpp:LlamaCppRunner",
+    benchmark="laco_deploy.bench.llamacpp:run_benchmark",
+    artifact="{stem}.{quant}.gguf",
+    build_artifact="model.{quant}.gguf",
+    file_suffix=".gguf",
+    description="llama.cpp",
+)
+
+ONNX = Target(
+    name="onnx",
+    runtime="onnxruntime",
+    quant_types=("fp32", "fp16", "int8"),
+    default_quant="fp32",
+    exporter="exporters.onnx:export",
+    runner="laco_deploy.bench.onnxrt:OrtRunner",
+    benchmark="laco_deploy.bench.onnxrt:run_benchmark",
+    artifact="{stem}-onnx-{quant}",
+    build_artifact="onnx-{quant}",
+    file_suffix=".onnx",
+    folder_marker="model.onnx",
+    sparse_storage=True,
+    follows_device=True,
+    description="onnxruntime",
+)
+
+TARGETS: dict[str, Target] = {t.name: t for t in (GGUF, ONNX)}
+RUNTIMES: dict[str, Target] = {t.runtime: t for t in TARGETS.values()}
+
+
+def target_for_path(path: Path) -> Target | None:
+    """The target whose output `path` is (a .gguf file, an ONNX folder or file), or None."""
+    return next((t for t in TARGETS.values() if t.owns(Path(path))), None)
+
+
+def quant_help() -> str:
+    """'GGUF: f32 f16 ... (default q8_0); ONNX: fp32 ... (default fp32)' for --quant help texts."""
+    return "; ".join(f"{t.name.upper()}: {' '.join(t.quant_types)} (default: {t.default_quant})" for t in TARGETS.values())
+
+
+def target_help() -> str:
+    """'gguf (llama.cpp) or onnx (onnxruntime)' for --target help texts."""
+    return " or ".join(f"{t.name} ({t.runtime})" for t in TARGETS.values())
