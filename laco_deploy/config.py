@@ -144,6 +144,8 @@ class CompensateConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay (surviving weights only)
     warmup_fraction: float = 0.05  # share of steps with linear LR warmup before the cosine decay
     lr_last_factor: float = 1.0  # LaCo LR decays geometrically from lr (layer 0) to lr * this (last layer)
+    anchor_decay: float = 0.0  # decoupled pull of the trained weights back towards the pruned ones, per unit of LR
+    dense_input_mix: float = 0.0  # share of training samples fed the dense path's input instead of the sparse one
 
     def validate(self) -> list[str]:
         errs = []
@@ -173,6 +175,10 @@ class CompensateConfig:
             errs.append("--weight-decay must be >= 0 and --warmup-fraction in [0, 1)")
         if not self.lr_last_factor > 0:
             errs.append(f"--lr-last-factor {self.lr_last_factor} must be positive")
+        if self.anchor_decay < 0:
+            errs.append(f"--anchor-decay {self.anchor_decay} must be >= 0")
+        if not 0.0 <= self.dense_input_mix <= 1.0:
+            errs.append(f"--dense-input-mix {self.dense_input_mix} must be in [0, 1]")
         return errs
 
 

@@ -1,7 +1,8 @@
 """Calibration and evaluation text -> fixed-length token samples, deterministically from a seed.
 
 Sources: `builtin` (Wikipedia text shipped in the package, calibration and evaluation disjoint),
-a local `.txt` (documents separated by blank lines) or `.jsonl` (a "text" field per line), and
+`builtin:DOMAIN` (evaluation-only texts of other domains shipped in data/domains/, never used for
+calibration, so reports show how recovery transfers to text unlike the calibration data), a local `.txt` (documents separated by blank lines) or `.jsonl` (a "text" field per line), and
 `hf:NAME[:CONFIG][:SPLIT]` through `datasets` when online.
 """
 
@@ -20,6 +21,8 @@ from laco_deploy.errors import DataError
 log = logging.getLogger(__name__)
 
 BUILTIN = "builtin"
+ALL_DOMAINS = "domains"  # evaluation spec: builtin (in-domain) plus every shipped out-of-domain text
+IN_DOMAIN_LABEL = "wikipedia"  # what `builtin` evaluation text is, in reports
 _BUILTIN_FILES = {"calib": "calibration.txt", "eval": "evaluation.txt"}
 
 
@@ -27,10 +30,67 @@ def builtin_path(role: str) -> Path:
     return Path(str(resources.files("laco_deploy").joinpath("data", "builtin", _BUILTIN_FILES[role])))
 
 
+def _domains_dir() -> Path:
+    return Path(str(resources.files("laco_deploy").joinpath("data", "domains")))
+
+
+def shipped_domains() -> list[str]:
+    """Names of the out-of-domain evaluation texts shipped in data/domains/ (sorted): fiction, techdoc, code."""
+    folder = _domains_dir()
+    return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+
+
+def eval_specs(spec: str) -> list[str]:
+    """An evaluation setting -> the list of text specs it names.
+
+    `domains` expands to builtin (in-domain) + builtin:NAME for every shipped domain; a comma
+    separates several specs (e.g. `builtin,notes.txt`).
+    """
+    specs: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == ALL_DOMAINS:
+            specs += [BUILTIN] + [f"{BUILTIN}:{name}" for name in shipped_domains()]
+        elif part:
+            specs.append(part)
+    if not specs:
+        raise DataError(f"evaluation setting {spec!r} names no text; use builtin, domains, a file or hf:NAME")
+    return list(dict.fromkeys(specs))
+
+
+def domain_label(spec: str) -> str:
+    """Short name of an evaluation spec for tables: wikipedia, fiction, notes (file stem), ..."""
+    if spec == BUILTIN:
+        return IN_DOMAIN_LABEL
+    if spec.startswith(BUILTIN + ":"):
+        return spec.split(":", 1)[1]
+    if spec.startswith("hf:"):
+        return spec[3:].replace(":", "/")
+    return Path(spec).stem
+
+
+def eval_domains(spec: str = ALL_DOMAINS) -> list[tuple[str, str]]:
+    """(label, spec) for each evaluation text of `spec`; the first is the in-domain one when builtin."""
+    return [(domain_label(s), s) for s in eval_specs(spec)]
+
+
+def _read_domain(spec: str, role: str) -> list[str]:
+    name = spec.split(":", 1)[1]
+    if role != "eval":
+        raise DataError(f"{spec} is an evaluation-only text (it measures transfer to unseen domains); "
+                        "calibrate on builtin, a .txt/.jsonl file or hf:NAME")
+    if name not in shipped_domains():
+        raise DataError(f"no builtin evaluation domain {name!r}; choose from {', '.join(shipped_domains()) or '(none shipped)'}")
+    return _read_jsonl(_domains_dir() / f"{name}.jsonl")  # JSON Lines: code and docs keep their blank lines
+
+
 def load_texts(spec: str, role: str = "calib") -> list[str]:
     """Documents from a source spec. `role` picks the builtin split ("calib" or "eval")."""
     if spec == BUILTIN:
         return _read_txt(builtin_path(role))
+    if spec.startswith(BUILTIN + ":"):
+        return _read_domain(spec, role)
+    if spec == ALL_DOMAINS or "," in spec:
+        raise DataError(f"{spec!r} names several texts; this step reads one: pass builtin, builtin:DOMAIN, a file or hf:NAME")
     if spec.startswith("hf:"):
         return _read_hf(spec)
     path = Path(spec).expanduser()

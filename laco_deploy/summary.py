@@ -30,6 +30,7 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
             out["ppl_pytorch"][label] = m.get("ppl")
         out["kl_mean"] = {label: m.get("kl", {}).get("mean") for label, m in cands.items()}
         out["top1"] = {label: m.get("top1") for label, m in cands.items()}
+        out.update(_domain_summary(fid))
         out["gates"] = fid.get("gates", [])
         out["gates_passed"] = fid.get("passed", True)
     if bench:
@@ -39,6 +40,54 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         out["tg_tps"] = {label: _median(m.get("tg_tps")) for label, m in models.items()}
         out["pp_tps"] = {label: _median(m.get("pp_tps")) for label, m in models.items()}
     return out
+
+
+def _domain_summary(fid: dict[str, Any]) -> dict[str, Any]:
+    """Perplexity per evaluation domain for every model, and the share of the pruned-to-dense gap
+    each candidate closes there (in-domain and out-of-domain side by side)."""
+    dense = (fid.get("dense") or {}).get("domains") or {}
+    if not dense:
+        return {}
+    ppl = {"dense": {d: v.get("ppl") for d, v in dense.items()}}
+    for label, c in (fid.get("candidates") or {}).items():
+        ppl[label] = {d: v.get("ppl") for d, v in (c.get("domains") or {}).items()}
+    gap: dict[str, dict[str, float]] = {}
+    pruned = ppl.get("pruned", {})
+    for label, row in ppl.items():
+        if label in ("dense", "pruned"):
+            continue
+        gap[label] = {d: (pruned[d] - p) / (pruned[d] - ppl["dense"][d]) for d, p in row.items()
+                      if p is not None and pruned.get(d) is not None and pruned[d] != ppl["dense"][d]}
+    in_domain = [d["label"] for d in (fid.get("settings") or {}).get("domains", []) if d.get("in_domain")]
+    return {"ppl_by_domain": ppl, "gap_closed_by_domain": gap, "in_domain": in_domain}
+
+
+def domain_lines(summary: dict[str, Any]) -> list[str]:
+    """The per-domain perplexity table of the summary (empty with a single evaluation domain)."""
+    ppl = summary.get("ppl_by_domain") or {}
+    domains = list(ppl.get("dense") or {})
+    if len(domains) < 2:
+        return []
+    inside = set(summary.get("in_domain") or [])
+    domains.sort(key=lambda d: d not in inside)  # in-domain first
+    gap = summary.get("gap_closed_by_domain") or {}
+    rows = [["model"] + [d + (" (in)" if d in inside else " (out)") for d in domains]]
+    for label, row in ppl.items():
+        cells = []
+        for d in domains:
+            cell = _fmt(row.get(d))
+            if d in gap.get(label, {}):
+                cell += f" ({gap[label][d]:.0%})"
+            cells.append(cell)
+        rows.append([label] + cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["perplexity by evaluation domain (PyTorch / exported model; % = share of the pruned-to-dense gap closed;",
+             "in = the calibration domain, out = text never seen in calibration)"]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return lines + [""]
 
 
 def _fmt(v: Any) -> str:
@@ -72,6 +121,7 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
+    lines += domain_lines(summary)
     gates = summary.get("gates") or []
     if gates:
         lines.append("gates            " + "  ".join(

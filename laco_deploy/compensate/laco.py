@@ -88,7 +88,8 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
         with measure(ctx.device) as m:
             masks = layer_masks(ctx.layer, targets)
             mid = dense_mid_cache(ctx) if cfg.loss == "subblock" else None
-            data = LayerData(ctx.inputs, ctx.dense_targets, mid, ctx.kwargs, split[0], split[1])
+            data = LayerData(ctx.inputs, ctx.dense_targets, mid, ctx.kwargs, split[0], split[1],
+                             ctx.dense_inputs if cfg.dense_input_mix > 0 else None)
             resident = list(ctx.layer.parameters()) + list(ctx.dense_layer.parameters())
             trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
                                    ctx.device, seed + ctx.index, resident)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.corrections import Corrections
@@ -39,6 +40,7 @@ class LayerData:
     kwargs: dict[str, Any]  # layer call arguments, on the device
     train_idx: torch.Tensor  # [n_train] sample indices
     val_idx: torch.Tensor  # [n_val], may be empty
+    dense_inputs: ActivationCache | None = None  # dense-path inputs (for dense_input_mix)
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,10 +121,18 @@ class LayerTrainer:
             self.params = self.corrections.params + self.params
             self.resident = resident + self.corrections.params
         self.working_set: dict[str, int] | None = None
+        self.sample_flops = 0.0  # training FLOPs per sample (forward + backward), counted on the first step
+        self.samples_seen = 0
+        self.anchor: list[torch.Tensor] | None = None  # starting weights, for cfg.anchor_decay
 
-    def _batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _batch(self, idx: torch.Tensor, mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Inputs, targets (and mid targets) of samples `idx`; rows where `mix` is True take the
+        dense-path input instead of the sparse one (both map to the same dense target)."""
         d, dev = self.data, self.device
-        x = d.inputs.data[idx].to(dev, non_blocking=True)
+        x = d.inputs.data[idx]
+        if mix is not None and bool(mix.any()):
+            x = torch.where(mix[:, None, None], d.dense_inputs.data[idx], x)
+        x = x.to(dev, non_blocking=True)
         t = d.targets.data[idx].to(dev, non_blocking=True)
         m = d.mid_targets.data[idx].to(dev, non_blocking=True) if self.subblock else None
         return x, t, m
@@ -157,28 +167,49 @@ class LayerTrainer:
         for p, s in zip(self.params, snap):
             p.copy_(s.to(p.device))
 
-    def _step_loss(self, chunk: torch.Tensor) -> torch.Tensor:
-        """Loss of one micro-batch; the first one also measures the device working set."""
-        batch = self._batch(chunk)
+    def _backward(self, chunk: torch.Tensor, mix: torch.Tensor | None, scaler) -> None:
+        """Loss and backward of one micro-batch; the first one also measures the device working
+        set and counts the step's FLOPs (for the throughput report)."""
+        batch = self._batch(chunk, mix)
         if self.working_set is not None:
-            return self._loss(*batch)
-        with count_saved(self.resident) as meter:
-            loss = self._loss(*batch)
+            scaler.scale(self._loss(*batch) / self.cfg.grad_accum).backward()
+            return
+        with FlopCounterMode(display=False) as flops:
+            with count_saved(self.resident) as meter:
+                loss = self._loss(*batch)
+            scaler.scale(loss / self.cfg.grad_accum).backward()
+        self.sample_flops = flops.get_total_flops() / len(chunk)
         self.working_set = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])
-        return loss
 
-    def _epoch(self, order: torch.Tensor, opt, scaler, step: int, total: int, warmup: int) -> int:
+    @torch.no_grad()
+    def _pull_to_anchor(self, lr: float) -> None:
+        """Decoupled decay of the update towards the pruned starting weights: w -= lr * decay * (w - w0).
+        Unlike weight decay (which pulls towards zero) it limits how far the layer drifts from
+        what pruning left, a regularizer against fitting the calibration domain too closely."""
+        pull = min(1.0, lr * self.cfg.anchor_decay)  # > 1 would overshoot past the anchor
+        for p, w0 in zip(self.params, self.anchor):
+            p.sub_(p - w0, alpha=pull)
+
+    def _epoch(self, order: torch.Tensor, opt, scaler, step: int, total: int, warmup: int,
+               gen: torch.Generator) -> int:
         """One pass over the training samples in `order`; returns the updated step count."""
-        chunks = list(order.split(self.cfg.batch_size))
+        cfg = self.cfg
+        chunks = list(order.split(cfg.batch_size))
+        mixes = [torch.rand(len(c), generator=gen) < cfg.dense_input_mix if cfg.dense_input_mix > 0 else None
+                 for c in chunks]
         for k, chunk in enumerate(chunks):
-            scaler.scale(self._step_loss(chunk) / self.cfg.grad_accum).backward()
-            if (k + 1) % self.cfg.grad_accum == 0 or k == len(chunks) - 1:
+            self._backward(chunk, mixes[k], scaler)
+            self.samples_seen += len(chunk)
+            if (k + 1) % cfg.grad_accum == 0 or k == len(chunks) - 1:
+                lr = self.lr * cosine_lr(step, total, warmup)
                 for group in opt.param_groups:
-                    group["lr"] = self.lr * cosine_lr(step, total, warmup)
+                    group["lr"] = lr
                 mask_grads(self.layer, self.masks)
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad(set_to_none=True)
+                if self.anchor is not None:
+                    self._pull_to_anchor(lr)
                 apply_masks(self.layer, self.masks)
                 step += 1
         return step
@@ -190,7 +221,9 @@ class LayerTrainer:
         gen = torch.Generator().manual_seed(self.seed)
         watch = d.val_idx if len(d.val_idx) else d.train_idx
         before = self.evaluate(watch)
-        best_val, best_state, best_epoch, bad = before["loss"], self._snapshot(), 0, 0
+        best_val, best_state, best_epoch, bad, best_eval = before["loss"], self._snapshot(), 0, 0, before
+        if cfg.anchor_decay > 0:
+            self.anchor = [p.detach().clone() for p in self.params]
         self.layer.requires_grad_(False)
         for p in self.params:
             p.requires_grad_(True)
@@ -200,27 +233,32 @@ class LayerTrainer:
         step, history, t0 = 0, [], time.perf_counter()
         for epoch in range(1, cfg.epochs + 1):
             order = d.train_idx[torch.randperm(len(d.train_idx), generator=gen)]
-            step = self._epoch(order, opt, scaler, step, total, int(total * cfg.warmup_fraction))
-            val = self.evaluate(watch)["loss"]
+            step = self._epoch(order, opt, scaler, step, total, int(total * cfg.warmup_fraction), gen)
+            current = self.evaluate(watch)
+            val = current["loss"]
             history.append(round(val, 6))
             progress(f"epoch {epoch} val {val:.4g} (start {before['loss']:.4g})")
             if val < best_val:
-                best_val, best_state, best_epoch, bad = val, self._snapshot(), epoch, 0
+                best_val, best_state, best_epoch, bad, best_eval = val, self._snapshot(), epoch, 0, current
             else:
                 bad += 1
                 if len(d.val_idx) and bad >= cfg.patience:
                     break
         self._restore(best_state)
+        self.anchor = None
         self.layer.requires_grad_(False)
+        after = best_eval  # the kept state was evaluated when it was chosen
         if self.corrections is not None:
             self.corrections.merge()  # the layer is plain again; `after` measures the merged weights
-        after = self.evaluate(watch)
+            after = self.evaluate(watch)
+        train_s = time.perf_counter() - t0
         return {
             "loss_before": before["loss"], "loss_after": after["loss"],
             "nmse_before": before["nmse"], "nmse_after": after["nmse"],
             "mse_before": before["mse"], "mse_after": after["mse"],
             "measured_on": "validation" if len(d.val_idx) else "training",
             "epochs_run": len(history), "best_epoch": best_epoch, "steps": step, "lr": self.lr,
-            "val_history": history, "train_s": round(time.perf_counter() - t0, 3),
+            "val_history": history, "train_s": round(train_s, 3),
+            "train_gflop": round(self.sample_flops * self.samples_seen / 1e9, 3),
             "device_working_set": self.working_set or {},
         }
