@@ -32,6 +32,10 @@ class RuntimeBackendError(LacoError):
     """onnxruntime or llama.cpp failed to load or run a model."""
 
 
+class OutputError(LacoError):
+    """An output path that cannot be written: permission, read-only file system, missing or blocked folder."""
+
+
 class ResourceError(LacoError):
     """Out of disk space or memory."""
 

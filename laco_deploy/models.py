@@ -21,6 +21,7 @@ import torch
 
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir
+from laco_deploy.progress import library_bar
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
     _check_gguf_readable(gguf)
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF"):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, OSError, KeyError, RuntimeError) as e:
         raise ModelError(f"cannot load GGUF {gguf}: {e}; check the file is a complete llama/mistral/qwen2 GGUF") from e

@@ -63,3 +63,78 @@ def test_threads_option_sets_torch_threads(cli, tiny_llama_dir):
         assert code == 2 and "--threads" in err
     finally:
         torch.set_num_threads(before)
+
+
+# (command line, module and attribute of its first slow step): an unwritable output must stop the run before it
+UNWRITABLE = {
+    "export": (["export", "--model", "default", "--target", "gguf", "--out", "/proc/forbidden.gguf"],
+               "laco_deploy.models", "ensure_default_converted"),
+    "prune": (["prune", "--model", "default", "--out", "/proc/forbidden/pruned"], "laco_deploy.prune", "run"),
+    "compensate": (["compensate", "--sparse", "TINY", "--out", "/proc/forbidden/recovered"], "laco_deploy.compensate", "run"),
+    "fidelity": (["fidelity", "--candidate", "TINY", "--report", "/proc/forbidden/report"], "laco_deploy.fidelity", "run"),
+    "build": (["build", "--out", "/proc/forbidden/build"], "laco_deploy.pipeline", "build"),
+}
+
+
+@pytest.mark.parametrize("command", list(UNWRITABLE))
+def test_unwritable_output_is_one_line_exit_2_before_slow_work(cli, tiny_llama_dir, monkeypatch, command):
+    import importlib
+
+    args, module, attr = UNWRITABLE[command]
+    args = [str(tiny_llama_dir) if a == "TINY" else a for a in args]
+
+    def slow_work(*a, **k):
+        raise AssertionError(f"{command} started its slow work before checking its output")
+
+    monkeypatch.setattr(importlib.import_module(module), attr, slow_work)
+    code, out, err = cli(*args)
+    user_path = next(a for a in args if a.startswith("/proc/forbidden"))
+    option = "--report" if command == "fidelity" else "--out"
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"error: cannot write {user_path}: /proc does not accept new files" in err
+    assert f"choose another {option}" in err and ".partial" not in err
+
+
+def test_read_only_output_is_exit_2(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    import errno
+
+    from laco_deploy import fsutil
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(fsutil.tempfile, "mkstemp", read_only)
+    code, _, err = cli("export", "--model", tiny_llama_dir, "--target", "gguf", "--out", tmp_path / "m.gguf")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"cannot write {tmp_path / 'm.gguf'}: {tmp_path} is on a read-only file system; choose another --out" in err
+
+
+def test_build_help_shows_examples_and_exit_codes(cli):
+    code, out, _ = cli("build", "--help")
+    assert code == 0
+    assert "Examples" in out and "laco-deploy build --target gguf --max-kl 0.6 --min-top1 0.6" in out
+    assert "0.6 nats of KL per token" in out  # what the gate values mean
+    assert "Exit codes" in out
+    for line in ("1    a gate", "2    bad input", "3    internal error", "130  interrupted (Ctrl-C), 143 terminated"):
+        assert line in out
+
+
+@pytest.mark.parametrize("command", ["prune", "compensate", "fidelity", "export", "inspect", "bench run", "bench compare"])
+def test_every_command_help_lists_the_exit_codes(cli, command):
+    code, out, _ = cli(*command.split(), "--help")
+    assert code == 0 and "Exit codes" in out and "2    bad input" in out
+
+
+def test_root_help_shows_how_to_start(cli):
+    code, out, _ = cli("--help")
+    assert code == 0 and "laco-deploy build --target gguf" in out and "Exit codes" in out
+    assert "--verbose" in out and "--quiet" in out
+
+
+@pytest.mark.parametrize("columns", ["80", "100"])
+def test_prune_help_keeps_the_targets_default_whole(cli, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", columns)
+    code, out, _ = cli("prune", "--help")
+    assert code == 0 and "…" not in out
+    assert "[default: all]" in out and "down_proj" in out

@@ -81,7 +81,9 @@ def extra_buffers_work() -> bool:
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env=_child_env())
     if proc.returncode != 0:
-        log.warning("llama.cpp crashed with its extra CPU buffer types (exit %s); disabling them", proc.returncode)
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+        log.warning("llama.cpp's AMX/repack CPU kernels crash on this machine (a test run died with %s); running "
+                    "GGUF models on its plain CPU kernels instead (correct, somewhat slower)", how)
     return proc.returncode == 0
 
 

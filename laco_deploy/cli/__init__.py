@@ -7,7 +7,6 @@ traceback instead.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import threading
@@ -20,7 +19,9 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
 
 from laco_deploy import __version__
+from laco_deploy.cli import output
 from laco_deploy.cli.common import console, err_console, state
+from laco_deploy.cli.output import Verbosity
 from laco_deploy.errors import LacoError
 
 app = typer.Typer(
@@ -46,8 +47,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and debug logs."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors in the log."),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and every library's debug logs."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show other libraries' log lines, progress bars and warnings (hidden by default)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr (for CI); results still go to stdout."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
     threads: int = typer.Option(
         None, "--threads", min=1, envvar="LACO_DEPLOY_THREADS",
@@ -60,14 +62,13 @@ def _root(
         import torch
 
         torch.set_num_threads(threads)
-    level = logging.DEBUG if debug else (logging.WARNING if quiet else logging.INFO)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
-    for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub", "transformers", "torch"):
-        logging.getLogger(noisy).setLevel(logging.WARNING if not debug else logging.INFO)
+    output.configure(Verbosity.DEBUG if debug else Verbosity.VERBOSE if verbose else Verbosity.QUIET if quiet else Verbosity.NORMAL)
 
 
-# Register the stage commands (each module adds its command to `app`).
-from laco_deploy.cli import stages  # noqa: E402,F401
+# Register the stage commands (each module adds its command to `app`), then their examples and exit codes.
+from laco_deploy.cli import helptext, stages  # noqa: E402,F401
+
+helptext.attach(app)
 
 
 TYPER_INTERRUPT_CODE = 130  # typer turns KeyboardInterrupt into Exit(130), which app() returns

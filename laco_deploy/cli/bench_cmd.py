@@ -11,6 +11,7 @@ from laco_deploy.cli import app
 from laco_deploy.cli.common import EvalOpt, check, console, parse_labeled_paths
 from laco_deploy.config import BenchConfig, DataConfig
 from laco_deploy.errors import ConfigError
+from laco_deploy.fsutil import check_writable
 from laco_deploy.targets import GGUF, RUNTIMES
 
 bench_app = typer.Typer(
@@ -40,6 +41,7 @@ def bench_run(
         raise ConfigError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     cfg = BenchConfig(repetitions=repetitions, threads=threads, n_prompt=n_prompt, n_gen=n_gen, ppl_ctx=ppl_ctx, ppl_windows=ppl_windows)
     check(cfg.validate())
+    check_writable(out)
     paths = parse_labeled_paths(models, "model", "an exported model (.gguf file for llama.cpp, ONNX folder or .onnx file for onnxruntime)")
     result = RUNTIMES[runtime].run_benchmark(paths, eval_spec=eval_, cfg=cfg, device=device)
     from laco_deploy.bench.report import bench_table
@@ -66,6 +68,7 @@ def bench_compare(
     from laco_deploy.bench.compare import compare, failed, load_result, parse_tolerances, render
     from laco_deploy.errors import GateFailed
 
+    check_writable(markdown, "--markdown")
     rows = compare(load_result(baseline), load_result(current), parse_tolerances(tolerance or []))
     table = render(rows)
     console.print(table, highlight=False)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from laco_deploy.cli import app
+from laco_deploy import __version__
+from laco_deploy.cli import app, output
 from laco_deploy.cli.common import console
-from laco_deploy.config import BuildConfig
+from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.errors import GateFailed
+from laco_deploy.fsutil import check_writable
 from laco_deploy.targets import quant_help, target_help
 
+log = logging.getLogger(__name__)
 _B = BuildConfig()
 Opt = typer.Option
+BUILD_LOG = "build.log"  # in the build folder: the full detail of every run, appended
 
 
 @app.command("build")
@@ -40,6 +46,7 @@ def build_command(
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
     min_top1: Annotated[Optional[float], Opt("--min-top1", help="Gate: fail if top-1 agreement with the dense model is below this.", show_default=False)] = None,
     max_ppl_ratio: Annotated[Optional[float], Opt("--max-ppl-ratio", help="Gate: fail if perplexity / dense perplexity exceeds this.", show_default=False)] = None,
+    as_json: Annotated[bool, Opt("--json", help="Print the summary as JSON on stdout (for scripts); progress stays on stderr.")] = False,
 ) -> None:
     """Prune, recover (LaCo), export, check fidelity and benchmark, into one build folder.
 
@@ -60,13 +67,24 @@ def build_command(
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
     }
     cfg = merge(read_config_file(config) if config else {}, overrides)
-    console.print(f"building into {cfg.out} (target {cfg.export.target} {cfg.export.resolved_quant}, "
-                  f"{cfg.prune.method} {cfg.prune.pattern or cfg.prune.structured or cfg.prune.sparsity}, recover {cfg.compensate.method})")
-    status_words = {"running": "[cyan]running[/]", "reused": "[green]reused (inputs and settings unchanged)[/]", "done": "[green]done[/]"}
-    manifest = build(cfg, on_stage=lambda s, st: console.print(f"stage {s:<10} {status_words.get(st, st)}"))
-    console.print()
-    for line in summary_lines(manifest["summary"], cfg.out):
-        console.print(line, highlight=False, soft_wrap=True)  # tables stay intact in narrow terminals and logs
-    if not manifest["summary"].get("gates_passed", True):
-        failed = [g for g in manifest["summary"].get("gates", []) if not g.get("passed")]
+    check_writable(Path(cfg.out), into=True)
+    with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
+        log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))
+        output.say(f"building into {cfg.out} (target {cfg.export.target} {cfg.export.resolved_quant}, "
+                   f"{cfg.prune.method} {cfg.prune.pattern or cfg.prune.structured or cfg.prune.sparsity}, "
+                   f"recover {cfg.compensate.method}; full log in {log_path})")
+        status_words = {"running": "[cyan]running[/]", "reused": "[green]reused (inputs and settings unchanged)[/]", "done": "[green]done[/]"}
+        manifest = build(cfg, on_stage=lambda s, st: output.say(f"stage {s:<10} {st}", f"stage {s:<10} {status_words.get(st, st)}"))
+        summary = manifest["summary"]
+        lines = summary_lines(summary, cfg.out)
+        for line in lines:
+            log.info(line, extra=output.FILE_ONLY)
+    if as_json:
+        typer.echo(json.dumps({"build_folder": str(cfg.out), "build_log": str(log_path), **summary}, indent=2, default=str))
+    else:
+        console.print()
+        for line in lines:
+            console.print(line, highlight=False, soft_wrap=True)  # tables stay intact in narrow terminals and logs
+    if not summary.get("gates_passed", True):
+        failed = [g for g in summary.get("gates", []) if not g.get("passed")]
         raise GateFailed("gate failed: " + "; ".join(f"{g['name']} {g.get('value')} vs limit {g.get('threshold')}" for g in failed))

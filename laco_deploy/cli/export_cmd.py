@@ -10,6 +10,7 @@ import typer
 from laco_deploy.cli import app
 from laco_deploy.cli.common import check, console
 from laco_deploy.config import ExportConfig
+from laco_deploy.fsutil import check_writable
 from laco_deploy.targets import TARGETS, quant_help, target_help
 
 
@@ -28,6 +29,7 @@ def export_command(
     """
     cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage)
     check(cfg.validate())
+    check_writable(out)
     from laco_deploy.models import ensure_default_converted
 
     model_dir = ensure_default_converted() if model == "default" else Path(model)

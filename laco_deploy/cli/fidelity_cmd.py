@@ -11,6 +11,7 @@ from laco_deploy.cli import app
 from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, check, console, parse_labeled_paths
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
 from laco_deploy.errors import GateFailed
+from laco_deploy.fsutil import check_writable
 
 _F = FidelityConfig()
 
@@ -40,6 +41,7 @@ def fidelity_command(
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
     fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads)
     check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
+    check_writable(report, "--report", into=True)
     candidates = parse_labeled_paths(candidate)
     from laco_deploy.fidelity import run
     from laco_deploy.fidelity.gates import gate_message

@@ -22,6 +22,7 @@ from laco_deploy.cli.common import (
     model_config,
 )
 from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig
+from laco_deploy.fsutil import check_writable
 
 _P, _D, _M = PruneConfig(), DataConfig(), ModelConfig()
 
@@ -42,7 +43,7 @@ def prune_command(
     pattern: Annotated[str | None, typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
     structured: Annotated[float | None, typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
     structured_metric: Annotated[str, typer.Option("--structured-metric", help="Importance for --structured: wanda (|W|*||X|| summed per channel) or fluctuation (FLAP).")] = _P.structured_metric,
-    targets: Annotated[str, typer.Option("--targets", help="Comma-separated linears to prune, or 'all' (embeddings and LM head are never pruned).")] = ",".join(_P.targets),
+    targets: Annotated[str, typer.Option("--targets", help=f"Comma-separated linears to prune, or 'all' ({', '.join(PRUNABLE_LINEARS)}; embeddings and LM head are never pruned).")] = "all" if _P.targets == PRUNABLE_LINEARS else ",".join(_P.targets),
     owl: Annotated[bool, typer.Option("--owl", help="Outlier-weighted per-layer ratios (OWL) around --sparsity; one extra pass.")] = _P.owl,
     owl_lambda: Annotated[float, typer.Option("--owl-lambda", help="OWL: largest deviation of a layer's ratio from --sparsity.")] = _P.owl_lambda,
     owl_m: Annotated[float, typer.Option("--owl-m", help="OWL: outlier threshold in multiples of the mean score.")] = _P.owl_m,
@@ -74,6 +75,7 @@ def prune_command(
                        sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload,
                        batch_size=batch_size)
     check(pcfg.validate())
+    check_writable(out)
     result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
     if as_json:
         import json

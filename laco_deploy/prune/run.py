@@ -135,7 +135,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
     device = device if device is not None else resolve_device(model_cfg.device)
     ckpt = checkpoint_dir(out_dir)
     calib = _calibration_record(data_cfg)
-    log.info("prune settings: %s; calibration: %s; device %s", to_dict(prune_cfg), calib, device)
+    log.debug("prune settings: %s; calibration: %s; device %s", to_dict(prune_cfg), calib, device)
     t0 = time.perf_counter()
     with measure(device) as meas:
         src = _open_source(model_cfg, prune_cfg.offload, ckpt)
