@@ -49,6 +49,8 @@ def compensate_command(
     train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="LaCo: also train the RMSNorm scales.")] = _C.train_norms,
     trainable: Annotated[str, typer.Option("--trainable", help="LaCo: what is trained. weights: the surviving weights (best measured); channel: one scale per output channel; lowrank: a rank --correction-rank update under the mask. The corrections are merged back, so the model has no extra modules; they need less gradient and optimizer memory.")] = _C.trainable,
     correction_rank: Annotated[int, typer.Option("--correction-rank", help="Rank of the lowrank correction.")] = _C.correction_rank,
+    anchor_decay: Annotated[float, typer.Option("--anchor-decay", help="LaCo: after each step pull the weights back towards the pruned ones by lr * this * (w - w_pruned); limits drift from what pruning left, a regularizer for text unlike the calibration data (0: off).")] = _C.anchor_decay,
+    dense_input_mix: Annotated[float, typer.Option("--dense-input-mix", help="LaCo: share of training samples fed the dense model's input to the layer instead of the compensated sparse path's (both have the same dense target); more varied inputs per layer (0: off).")] = _C.dense_input_mix,
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Held-out share of calibration samples for early stopping (0: none).")] = _C.val_fraction,
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
@@ -72,6 +74,7 @@ def compensate_command(
     ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
                             batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
                             trainable=trainable, correction_rank=correction_rank,
+                            anchor_decay=anchor_decay, dense_input_mix=dense_input_mix,
                             val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())

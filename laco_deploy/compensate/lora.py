@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from laco_deploy.compensate.masks import masked_merge
 from laco_deploy.compensate.train import autocast_ctx, amp_dtype, cosine_lr, split_indices
@@ -82,21 +83,27 @@ class _Steps:
         self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device) is torch.float16)
         self.total = max(1, math.ceil(math.ceil(n_train / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
         self.warmup, self.step, self.working_set = int(self.total * cfg.warmup_fraction), 0, None
+        self.sample_flops, self.samples_seen = 0.0, 0  # training FLOPs per sample, counted on the first step
 
-    def _loss(self, ids: torch.Tensor) -> torch.Tensor:
+    def _backward(self, ids: torch.Tensor) -> None:
+        """Loss and backward of one micro-batch; the first also measures the working set and FLOPs."""
         if self.working_set is not None:
             with autocast_ctx(self.device):
-                return _lm_loss(self.model, ids)
-        with count_saved(self.resident) as meter, autocast_ctx(self.device):
-            loss = _lm_loss(self.model, ids)
+                loss = _lm_loss(self.model, ids)
+            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+            return
+        with FlopCounterMode(display=False) as flops:
+            with count_saved(self.resident) as meter, autocast_ctx(self.device):
+                loss = _lm_loss(self.model, ids)
+            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+        self.sample_flops = flops.get_total_flops() / len(ids)
         self.working_set = working_set(self.resident, self.params, meter.bytes, [ids])
-        return loss
 
     def epoch(self, input_ids: torch.Tensor, order: torch.Tensor) -> None:
         chunks = list(order.split(self.cfg.batch_size))
         for k, chunk in enumerate(chunks):
-            loss = self._loss(input_ids[chunk].to(self.device))
-            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+            self._backward(input_ids[chunk].to(self.device))
+            self.samples_seen += len(chunk)
             if (k + 1) % self.cfg.grad_accum == 0 or k == len(chunks) - 1:
                 for group in self.opt.param_groups:
                     group["lr"] = self.cfg.lora_lr * cosine_lr(self.step, self.total, self.warmup)
@@ -137,6 +144,7 @@ def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, devic
             "best_epoch": best_epoch, "steps": steps.step, "val_history": history, "lr": cfg.lora_lr,
             "measured_on": "validation" if len(val_idx) else "training",
             "trainable_params": sum(p.numel() for p in params), "train_s": round(time.perf_counter() - t0, 3),
+            "train_gflop": round(steps.sample_flops * steps.samples_seen / 1e9, 3),
             "device_working_set": steps.working_set or {}}
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from laco_deploy.artifacts import ModelDirResult
 from laco_deploy.config import CompensateConfig, to_dict
+from laco_deploy.throughput import throughput_record
 
 MIB = 2**20
 
@@ -63,9 +64,19 @@ def memory_summary(records: list[dict], lora_record: dict | None, meter, device)
     }
 
 
+def training_throughput(records: list[dict], lora_record: dict | None, reference_gflops: float) -> dict | None:
+    """Achieved GFLOP/s of the training steps (LaCo: summed over layers) against the run's matmul."""
+    rows = [lora_record] if lora_record else records
+    gflop = sum(r.get("train_gflop", 0.0) for r in rows)
+    seconds = sum(r.get("train_s", 0.0) for r in rows)
+    return throughput_record(gflop, seconds, reference_gflops) if gflop > 0 else None
+
+
 def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, before: dict, after: dict,
-                  records: list[dict], lora_record: dict | None, meter, wall: float, device) -> ModelDirResult:
+                  records: list[dict], lora_record: dict | None, meter, wall: float, device,
+                  reference_gflops: float = 0.0) -> ModelDirResult:
     mem = memory_summary(records, lora_record, meter, device)
+    speed = training_throughput(records, lora_record, reference_gflops)
     notes = [budget.note]
     same = after["zeros"] >= before["zeros"] and not [k for k in after["matrices"]
                                                      if after["matrices"][k]["zeros"] < before["matrices"][k]["zeros"]]
@@ -78,13 +89,17 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         nb = sum(r["nmse_before"] for r in records) / len(records)
         na = sum(r["nmse_after"] for r in records) / len(records)
         notes.append(f"mean layer nmse {nb:.4g} -> {na:.4g} ({records[0]['measured_on']} samples)")
+    if speed is not None:
+        notes.append(f"training throughput {speed['achieved_gflops']:.1f} GFLOP/s ({speed['gflop']:.0f} GFLOP in "
+                     f"{speed['seconds']:.0f} s of training steps), {speed['share_of_matmul']:.0%} of a fp32 matmul "
+                     f"measured in this run ({speed['matmul_gflops']:.0f} GFLOP/s)")
     if lora_record:
         m = lora_record["merge"]
         notes.append(f"LoRA merged under the mask; an unmasked merge would have filled {m['share_of_zeros_lost_unmasked']:.1%} "
                      f"of the zeros (sparsity {m['unmasked_merge_sparsity']:.4f} instead of {after['sparsity']:.4f})")
     settings = {"compensate": to_dict(cfg), "budget": {"samples": budget.samples, "seqlen": budget.seqlen,
                 "epochs": budget.epochs, "source": budget.source}, "memory": mem,
-                "sparsity_before": before["sparsity"], "device": str(device)}
+                "sparsity_before": before["sparsity"], "device": str(device), "throughput": speed}
     if lora_record:
         settings["lora"] = lora_record
     return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info),

@@ -25,6 +25,7 @@ from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, M
 from laco_deploy.errors import ConfigError, ModelError
 from laco_deploy.fsutil import atomic_dir
 from laco_deploy.models import load_model, resolve_device, save_model
+from laco_deploy.throughput import matmul_gflops
 
 log = logging.getLogger(__name__)
 SPARSITY_FILE = "sparsity.json"
@@ -118,6 +119,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     ids = data_mod.calibration_samples(sparse.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
     ckpt = checkpoint_dir(out_dir)
     _page_in(sparse.model, *((dense.model,) if comp_cfg.method == "laco" else ()))
+    reference_gflops = matmul_gflops(device)  # before the meter: its buffers are not the stage's memory
     meter = laco.SegmentMeter(device)
     meter.next()
     t0 = time.perf_counter()
@@ -141,4 +143,5 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     save_model(model, sparse.tokenizer, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
     shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
-    return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device)
+    return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,
+                         reference_gflops)

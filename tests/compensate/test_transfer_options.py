@@ -59,3 +59,25 @@ def test_anchor_decay_keeps_weights_closer_to_pruned(tiny_llama_dir, sparse_unst
 def test_invalid_option_values_are_reported():
     errs = _cfg(anchor_decay=-1.0, dense_input_mix=1.5).validate()
     assert any("anchor" in e for e in errs) and any("dense" in e for e in errs)
+
+
+@pytest.mark.parametrize("method", ["laco", "lora"])
+def test_throughput_reported_against_matmul(tiny_llama_dir, sparse_unstructured_dir, tmp_path, method):
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, method=method), sparse_unstructured_dir,
+              tmp_path / "out")
+    speed = res.settings["throughput"]
+    assert speed["gflop"] > 0 and speed["matmul_gflops"] > 0
+    assert speed["achieved_gflops"] == pytest.approx(speed["gflop"] / speed["seconds"], rel=0.02)
+    assert any("GFLOP/s" in n and "matmul" in n for n in res.notes)
+
+
+def test_training_flops_match_the_layer_shapes(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    """Forward (2 x params x tokens) plus backward (weight grads, and input grads for all but the
+    first projections) is between 2x and 3x the forward count; attention adds a little."""
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, val_fraction=0.0), sparse_unstructured_dir,
+              tmp_path / "out")
+    weights = _weights(sparse_unstructured_dir)
+    per_layer = sum(w.numel() for k, w in weights.items() if k.startswith("model.layers.0.") and k.endswith("proj.weight"))
+    tokens = DATA.samples * DATA.seqlen
+    forward = 2 * per_layer * tokens / 1e9
+    assert 2 * forward <= res.per_layer[0]["train_gflop"] <= 3.5 * forward
