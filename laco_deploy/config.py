@@ -189,6 +189,10 @@ class FidelityConfig:
     max_ppl_ratio: float | None = None  # gate: candidate / dense perplexity
     layerwise: bool = True  # per-layer hidden-state curves for PyTorch candidates (one forward pass each)
     threads: int | None = None  # onnxruntime / llama.cpp threads; None: the runtime's default
+    # zero-shot accuracy through lm-evaluation-harness (fidelity/zeroshot.py): task names or task .yaml files
+    tasks: tuple[str, ...] = ()
+    task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
+    task_batch_size: int = 8  # requests per forward pass in the harness
 
     def validate(self) -> list[str]:
         errs = []
@@ -203,6 +207,12 @@ class FidelityConfig:
             errs.append(f"--max-ppl-ratio {self.max_ppl_ratio} must be at least 1")
         if self.threads is not None and self.threads < 1:
             errs.append(f"--threads {self.threads} must be at least 1 (or left out for the runtime's default)")
+        if isinstance(self.tasks, str) or not all(isinstance(t, str) and t for t in self.tasks):
+            errs.append(f"--tasks {self.tasks!r} must be a list of task names or task .yaml files")
+        if self.task_limit is not None and self.task_limit < 1:
+            errs.append(f"--task-limit {self.task_limit} must be at least 1 (or left out for every document)")
+        if self.task_batch_size < 1:
+            errs.append(f"task_batch_size {self.task_batch_size} must be at least 1")
         return errs
 
 

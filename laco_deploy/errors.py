@@ -24,6 +24,10 @@ class DataError(LacoError):
     """Calibration or evaluation text that is missing, empty or too short."""
 
 
+class TaskError(DataError):
+    """A zero-shot task that is unknown, whose task file is missing or broken, or whose data is not on disk."""
+
+
 class ExportError(LacoError):
     """An export that cannot be written for this model or setting."""
 

@@ -101,6 +101,10 @@ def stage_fidelity(b: "Builder", pruned: Path, recovered: Path, exported: dict[s
               "candidates": {k: _hash_of(b, "export", "model") if k.startswith(cfg.export.target) else
                              _hash_of(b, "compensate" if k != "pruned" else "prune", "recovered" if k != "pruned" else "pruned")
                              for k in candidates}}
+    if cfg.fidelity.tasks:  # zero-shot task files and their data are inputs too: editing one reruns the stage
+        from laco_deploy.fidelity.tasks import tasks_fingerprint
+
+        inputs["tasks"] = tasks_fingerprint(cfg.fidelity.tasks)
     outputs = {name: b.layout.root / name for name in ("fidelity.json", "fidelity.md", "fidelity.html")}
     return b.stage("fidelity", settings, inputs, outputs,
                    lambda: fidelity(cfg.model, cfg.data, cfg.fidelity, candidates, b.layout.root, device=b.device))

@@ -46,6 +46,8 @@ def build_command(
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
     min_top1: Annotated[Optional[float], Opt("--min-top1", help="Gate: fail if top-1 agreement with the dense model is below this.", show_default=False)] = None,
     max_ppl_ratio: Annotated[Optional[float], Opt("--max-ppl-ratio", help="Gate: fail if perplexity / dense perplexity exceeds this.", show_default=False)] = None,
+    tasks: Annotated[Optional[list[str]], Opt("--tasks", help="Zero-shot accuracy in the fidelity report (lm-evaluation-harness, offline), comma-separated or repeated: laco_sample_mc, arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, or a task .yaml file. Dense, pruned and recovered models are scored. (default: none)", show_default=False)] = None,
+    task_limit: Annotated[Optional[int], Opt("--task-limit", help="Score only the first N documents of each zero-shot task. (default: all)", show_default=False)] = None,
     as_json: Annotated[bool, Opt("--json", help="Print the summary as JSON on stdout (for scripts); progress stays on stderr.")] = False,
 ) -> None:
     """Prune, recover (LaCo), export, check fidelity and benchmark, into one build folder.
@@ -55,6 +57,7 @@ def build_command(
     Unchanged stages are reused on a rerun; --resume continues a killed one. Exits 1 when a gate fails (the reports are still written).
     """
     from laco_deploy.buildconfig import merge, read_config_file
+    from laco_deploy.fidelity.tasks import parse_task_list
     from laco_deploy.pipeline import build
     from laco_deploy.summary import summary_lines
 
@@ -65,6 +68,7 @@ def build_command(
         "data.eval_samples": eval_samples, "data.seed": seed, "export.quant": quant, "model.device": device,
         "out": str(out) if out else None, "resume": resume or None, "fidelity.max_kl": max_kl,
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
+        "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,
     }
     cfg = merge(read_config_file(config) if config else {}, overrides)
     check_writable(Path(cfg.out), into=True)

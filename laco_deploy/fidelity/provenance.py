@@ -12,7 +12,8 @@ import torch
 from laco_deploy import __version__
 from laco_deploy.fsutil import sha256_tree
 
-_DISTRIBUTIONS = ("transformers", "onnxruntime", "onnxruntime-gpu", "llama-cpp-python", "gguf", "numpy", "matplotlib")
+_DISTRIBUTIONS = ("transformers", "onnxruntime", "onnxruntime-gpu", "llama-cpp-python", "gguf", "numpy", "matplotlib",
+                  "lm_eval")
 
 
 def versions() -> dict[str, str]:

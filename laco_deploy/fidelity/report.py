@@ -84,6 +84,7 @@ def markdown(data: dict[str, Any]) -> str:
              "| " + " | ".join(_HEAD) + " |", "|---|---|" + "---:|" * 8 + "---|"]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
     lines += ["", _setting_line(data)]
+    lines += _zeroshot_markdown(data)
     if data["gates"]:
         lines += [""] + _gate_lines(data["gates"])
     layer_lines = _layer_highlights(data)
@@ -155,6 +156,7 @@ def html_page(data: dict[str, Any]) -> str:
     if data["gates"]:
         parts.append("<ul>" + "".join(f"<li class='{'pass' if g['passed'] else 'fail'}'>{esc(gate_message(g))}</li>"
                                       for g in data["gates"]) + "</ul>")
+    parts += _zeroshot_html(data)
     curves = layer_curves_png(data["candidates"])
     parts.append("<h2>Per-layer hidden-state error</h2>")
     parts.append(_img(curves, "relative error and cosine per decoder layer") if curves is not None
@@ -177,3 +179,30 @@ def _details_html(data: dict[str, Any]) -> list[str]:
         out.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in data["notes"]) + "</ul>")
     out.append(f"<p>wall time {data['wall_s']:.1f} s · schema version {data['schema_version']}</p>")
     return out
+
+
+_ZS_TITLE = "Zero-shot accuracy (lm-evaluation-harness, 0-shot; % ± standard error)"
+
+
+def _zeroshot_markdown(data: dict[str, Any]) -> list[str]:
+    """The dense vs candidates accuracy table per task, the means over tasks, then what it was measured on."""
+    from laco_deploy.fidelity import zeroshot
+
+    zs = data.get("zeroshot")
+    if not zs:
+        return []
+    head, rows = zeroshot.table(zs)
+    lines = ["", f"{_ZS_TITLE}:", "", "| " + " | ".join(head) + " |", "|---|---|---:|" + "---:|" * (len(head) - 3)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""] + [f"- {n}" for n in zeroshot.notes(zs)]
+
+
+def _zeroshot_html(data: dict[str, Any]) -> list[str]:
+    from laco_deploy.fidelity import zeroshot
+
+    zs = data.get("zeroshot")
+    if not zs:
+        return []
+    head, rows = zeroshot.table(zs)
+    return [f"<h2>{html.escape(_ZS_TITLE)}</h2>", _html_table(head, rows, range(2, len(head))),
+            "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in zeroshot.notes(zs)) + "</ul>"]

@@ -1,0 +1,177 @@
+"""Zero-shot accuracy through lm-evaluation-harness, on models that are already loaded.
+
+The harness is the engine: its HFLM wrapper takes our transformers model object (so structured-pruned
+models with per-layer widths, which `models.load_model` rebuilds, run as loaded) and the dense model's
+tokenizer (every candidate is asked the same token sequences), and its evaluator scores the tasks
+(loglikelihood of each choice; acc, acc_norm and their standard errors). Tasks are built once
+(`tasks.load_tasks`) and scored with 0 few-shot examples for every model.
+
+Only PyTorch models run here: GGUF and ONNX candidates are skipped with one log line each.
+
+The record this returns is what fidelity.json holds under "zeroshot" (schema.json): per task and model
+the harness's metrics with their standard errors, and per model the mean of each metric over the tasks
+that report it, with the standard error of that mean (tasks taken as independent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import math
+import time
+from typing import Any
+
+from laco_deploy.config import FidelityConfig
+from laco_deploy.fidelity.tasks import LoadedTasks
+
+log = logging.getLogger(__name__)
+SEED = 1234  # the harness's own default seed for few-shot sampling (unused at 0-shot, set for determinism)
+_STDERR = "_stderr"
+# messages the harness logs for every model object passed in; they concern launchers we do not use
+_NOISE = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model through `pretrained`")
+
+
+def evaluate_runners(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, dense_model, runners: dict[str, Any]) -> dict[str, Any]:
+    """Score the dense model and each PyTorch runner's model; other runtimes are skipped and listed."""
+    from laco_deploy.bench.runner import TorchRunner
+
+    models = {"dense": dense_model}
+    skipped: dict[str, str] = {}
+    for label, runner in runners.items():
+        if isinstance(runner, TorchRunner):
+            models[label] = runner.model
+        else:
+            skipped[label] = f"{runner.name} candidate: lm-evaluation-harness runs the PyTorch models only"
+            log.info("zero-shot: skipping %s (%s runtime): lm-evaluation-harness scores PyTorch models only", label, runner.name)
+    return evaluate_models(tasks, cfg, tokenizer, models, skipped)
+
+
+def evaluate_models(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, models: dict[str, Any],
+                    skipped: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every task on every model (label -> transformers causal LM, on its device, in eval mode)."""
+    per_model: dict[str, dict[str, Any]] = {}
+    for label, model in models.items():
+        t0 = time.perf_counter()
+        log.info("zero-shot: %s on %d task(s)", label, len(tasks.task_dict["tasks"]))
+        scores = _evaluate_one(tasks, cfg, tokenizer, model)
+        per_model[label] = {"tasks": scores, "mean": mean_over_tasks(scores), "wall_s": time.perf_counter() - t0}
+    return {
+        "tasks": tasks.describe(),
+        "models": per_model,
+        "skipped": dict(skipped or {}),
+        "settings": {"num_fewshot": 0, "limit": cfg.task_limit, "batch_size": cfg.task_batch_size,
+                     "specs": list(cfg.tasks), "tokenizer": "the dense model's, for every model"},
+        "versions": {"lm_eval": importlib.metadata.version("lm_eval")},
+    }
+
+
+def _evaluate_one(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, model) -> dict[str, dict[str, Any]]:
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    with _quiet_harness():
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.task_batch_size)
+        for task in tasks.task_dict["tasks"].values():
+            task.set_config(key="num_fewshot", value=0)
+            task.set_fewshot_seed(seed=SEED)
+        out = evaluate(lm=lm, task_dict=tasks.task_dict, limit=cfg.task_limit, bootstrap_iters=1000, log_samples=False)
+    return {name: _task_scores(out["results"][name], out["n-samples"].get(name, {})) for name in tasks.task_dict["tasks"]}
+
+
+def _task_scores(results: dict[str, Any], n_samples: dict[str, int]) -> dict[str, Any]:
+    """The harness's "metric,filter" keys -> {metrics: {metric: {value, stderr}}, n}; the "none" filter
+    (multiple-choice tasks) is named by its metric alone, any other filter as metric/filter."""
+    metrics: dict[str, dict[str, float | None]] = {}
+    for key, value in results.items():
+        if "," not in key or not isinstance(value, (int, float)):
+            continue
+        metric, flt = key.split(",", 1)
+        if metric.endswith(_STDERR):
+            continue
+        stderr = results.get(f"{metric}{_STDERR},{flt}")
+        name = metric if flt == "none" else f"{metric}/{flt}"
+        metrics[name] = {"value": float(value), "stderr": float(stderr) if isinstance(stderr, (int, float)) else None}
+    return {"metrics": metrics, "n": int(n_samples.get("effective", results.get("sample_len", 0)))}
+
+
+def mean_over_tasks(scores: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per metric: the unweighted mean over the tasks that report it, the standard error of that mean
+    (sqrt(sum se^2) / k, tasks independent; None when a task has no stderr) and the task count k."""
+    by_metric: dict[str, list[dict[str, float | None]]] = {}
+    for s in scores.values():
+        for metric, m in s["metrics"].items():
+            by_metric.setdefault(metric, []).append(m)
+    out = {}
+    for metric, ms in by_metric.items():
+        k = len(ms)
+        se = None if any(m["stderr"] is None for m in ms) else math.sqrt(sum(m["stderr"] ** 2 for m in ms)) / k
+        out[metric] = {"value": sum(m["value"] for m in ms) / k, "stderr": se, "tasks": k}
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_harness():
+    """The harness logs at INFO per task and warns per model object about launchers we do not use:
+    keep its warnings (e.g. truncated contexts) and drop the rest unless laco-deploy logs at DEBUG."""
+    harness = logging.getLogger("lm_eval")
+    before = harness.level
+    if not log.isEnabledFor(logging.DEBUG):
+        harness.setLevel(logging.WARNING)
+    noise = _DropMessages(_NOISE)
+    hf_logger = logging.getLogger("lm_eval.models.huggingface")
+    hf_logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        hf_logger.removeFilter(noise)
+        harness.setLevel(before)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+# ---- report tables ----------------------------------------------------------------------------
+
+
+def table(zs: dict[str, Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """(header, rows) of the accuracy table: one row per task and metric, then the means over tasks;
+    cells are "value ± stderr" in percent for every model (dense first)."""
+    labels = list(zs["models"])
+    head = ("task", "metric", "n") + tuple(labels)
+    rows: list[tuple[str, ...]] = []
+    for task, info in zs["tasks"].items():
+        first = zs["models"][labels[0]]["tasks"][task]
+        for metric in first["metrics"]:
+            cells = tuple(_cell(zs["models"][lab]["tasks"][task]["metrics"].get(metric)) for lab in labels)
+            rows.append((task, metric, str(first["n"])) + cells)
+    means = zs["models"][labels[0]]["mean"] if len(zs["tasks"]) > 1 else {}  # one task: its row says it all
+    for metric, m in means.items():
+        name = f"mean over {m['tasks']} task{'s' if m['tasks'] != 1 else ''}"
+        rows.append((name, metric, "") + tuple(_cell(zs["models"][lab]["mean"].get(metric)) for lab in labels))
+    return head, rows
+
+
+def _cell(m: dict[str, Any] | None) -> str:
+    if m is None or m["value"] is None:
+        return "-"
+    se = m.get("stderr")
+    return f"{100 * m['value']:.1f}" + (f" ± {100 * se:.1f}" if se is not None and math.isfinite(se) else "")
+
+
+def notes(zs: dict[str, Any]) -> list[str]:
+    """What the table was measured on: splits, sizes and sources; skipped candidates; the limit."""
+    out = []
+    for task, info in zs["tasks"].items():
+        src = f"data {', '.join(info['data_files'])}" if info["data_files"] else f"harness task {info['source']}"
+        out.append(f"{task}: {info['split']} split, {info['docs']} documents ({info['kind']}; {src})")
+    if zs["settings"].get("limit"):
+        out.append(f"only the first {zs['settings']['limit']} documents of each task were scored (--task-limit)")
+    out += [f"not scored: {label} ({why})" for label, why in zs.get("skipped", {}).items()]
+    return out
