@@ -136,7 +136,7 @@ def round_trip_table(rt: dict[str, dict]) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse_args()
-    from laco_deploy.bench.llamacpp import run_benchmark
+    from laco_deploy.bench.llamacpp_bench import run_benchmark
     from laco_deploy.models import ensure_default_converted
 
     t0 = time.perf_counter()

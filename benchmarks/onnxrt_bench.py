@@ -4,7 +4,7 @@ the sparse-storage size of the pruned model.
 
 Models are made with the project's own stages (laco_deploy.prune.run, laco_deploy.compensate.run)
 at lean CPU settings, exported with exporters.onnx, then measured by
-laco_deploy.bench.onnxrt.run_benchmark (a fresh process per model). Work folders are reused
+laco_deploy.bench.onnxrt_bench.run_benchmark (a fresh process per model). Work folders are reused
 when they exist, so a rerun only measures.
 
     python benchmarks/onnxrt_bench.py --out benchmarks/results/onnxrt.json
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ppl-windows", type=int, default=BenchConfig.ppl_windows, help="perplexity windows")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from laco_deploy.bench.onnxrt import run_benchmark
+    from laco_deploy.bench.onnxrt_bench import run_benchmark
     from laco_deploy.bench.report import bench_table
 
     models = make_models(args.work, args)

@@ -1,5 +1,4 @@
-"""onnxruntime backend: a KV-cache decoder session, the CausalRunner adapter, greedy generation
-and the runtime benchmark.
+"""onnxruntime backend: a KV-cache decoder session, the CausalRunner adapter and greedy generation.
 
 `OrtDecoder` drives an export folder written by exporters.onnx (optimum's input/output names:
 input_ids, attention_mask, position_ids, past_key_values.N.key/value -> logits, present.N.*).
@@ -7,43 +6,26 @@ It is the documented equivalent of optimum's `ORTModelForCausalLM` generate loop
 be installed next to transformers 5. Keys and values stay in onnxruntime memory between steps
 (IO binding), so the same code runs on the CPU and the CUDA execution provider.
 
-This module imports numpy and onnxruntime only (torch lazily in OrtRunner), so the benchmark
-worker subprocess measures the runtime's memory, not PyTorch's.
+This module imports numpy and onnxruntime only (torch lazily in OrtRunner), so the benchmark's
+child process (bench/onnxrt_bench.py) measures the runtime's memory, not PyTorch's.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from laco_deploy.bench.harness import physical_cores
 from laco_deploy.errors import RuntimeBackendError
+from laco_deploy.targets import ONNX
 
 log = logging.getLogger(__name__)
 
-MODEL_FILE = "model.onnx"
+MODEL_FILE = ONNX.folder_marker  # "model.onnx" in an export folder
 _NP_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
-
-
-def physical_cores() -> int:
-    """Physical cores this process may use (hyper-threads counted once)."""
-    try:
-        pairs, phys = set(), None
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "physical id":
-                phys = value.strip()
-            elif key.strip() == "core id":
-                pairs.add((phys, value.strip()))
-        cores = len(pairs)
-    except OSError:
-        cores = 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, usable) if cores else usable)
 
 
 def model_file(path: Path) -> Path:
@@ -172,7 +154,7 @@ class OrtDecoder:
 class OrtRunner:
     """CausalRunner over an ONNX export: logits of one sequence from a prefill with empty past."""
 
-    name = "onnxruntime"
+    name = ONNX.runtime
 
     def __init__(self, path: Path, device: str = "cpu", threads: int | None = None):
         self.decoder = OrtDecoder(Path(path), device=str(device), threads=threads)
@@ -188,28 +170,3 @@ class OrtRunner:
 
     def generate(self, prompt, max_new_tokens: int, eos_token_id=None) -> list[int]:
         return self.decoder.generate(np.asarray(prompt, dtype=np.int64).reshape(-1), max_new_tokens, eos_token_id)
-
-
-def second_half_nll(logits: np.ndarray, tokens: np.ndarray) -> tuple[float, int]:
-    """llama-perplexity scoring of one window: logits [ctx, vocab], tokens [ctx] -> (sum of
-    negative log-likelihoods of tokens[ctx//2 + 1:], their count). Early tokens lack context."""
-    first = tokens.shape[0] // 2
-    scored = logits[first:-1].astype(np.float64)  # [ctx - first - 1, vocab]
-    target = tokens[first + 1:]
-    top = scored.max(axis=-1, keepdims=True)
-    log_z = np.log(np.exp(scored - top).sum(axis=-1)) + top[:, 0]
-    nll = log_z - scored[np.arange(target.shape[0]), target]
-    return float(nll.sum()), int(target.shape[0])
-
-
-def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg, device: str = "cpu"):
-    """Benchmark each export in a fresh subprocess; see laco_deploy.bench.onnxrt_worker."""
-    from laco_deploy.bench.onnxrt_worker import run_all
-
-    return run_all(models, eval_spec=eval_spec, cfg=cfg, device=device)
-
-
-def timed(fn, *args) -> tuple[float, Any]:
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return time.perf_counter() - t0, out

@@ -13,7 +13,9 @@ from laco_deploy.config import BenchConfig
 from laco_deploy.errors import ConfigError, RuntimeBackendError
 
 pytest.importorskip("llama_cpp")
-from laco_deploy.bench.llamacpp import LlamaCppRunner, perplexity, run_benchmark, window_nll  # noqa: E402
+from laco_deploy.bench.harness import perplexity, plan_tokens, window_nll  # noqa: E402
+from laco_deploy.bench.llamacpp import LlamaCppRunner  # noqa: E402
+from laco_deploy.bench.llamacpp_bench import run_benchmark  # noqa: E402
 
 TINY_BENCH = BenchConfig(repetitions=2, threads=1, n_prompt=16, n_gen=4, ppl_ctx=32, ppl_windows=2)
 
@@ -63,7 +65,8 @@ def test_perplexity_follows_llama_perplexity_protocol(tiny_llama_dir, ggufs):
 
     runner = LlamaCppRunner(ggufs["f32"], n_ctx=32)
     tokens = runner.tokenize("\n\n".join(load_texts("builtin", "eval")[:3]))
-    got = perplexity(runner, tokens, n_ctx=32, windows=3)
+    windows = plan_tokens(tokens, None, BenchConfig(ppl_ctx=32, ppl_windows=3))["windows"]
+    got = perplexity(runner.logits_np, windows)
     torch_runner = TorchRunner(load_model(str(tiny_llama_dir)).model)
     nll = []
     for i in range(3):  # the tiny BPE model adds no BOS, so windows are the plain token stream

@@ -10,13 +10,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from laco_deploy.bench import onnxrt
-from laco_deploy.bench.onnxrt import (
-    OrtRunner,
-    physical_cores,
-    providers_for,
-    second_half_nll,
-)
+from laco_deploy.bench.harness import physical_cores, window_nll
+from laco_deploy.bench.onnxrt import OrtRunner, providers_for
+from laco_deploy.bench.onnxrt_bench import eval_tokens, run_benchmark
 from laco_deploy.config import BenchConfig
 from laco_deploy.errors import RuntimeBackendError
 
@@ -28,9 +24,9 @@ def test_second_half_nll_matches_cross_entropy():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(10, 7, generator=gen) * 3
     tokens = torch.randint(0, 7, (10,), generator=gen)
-    total, count = second_half_nll(logits.numpy(), tokens.numpy())
+    nll = window_nll(logits.numpy(), tokens.tolist(), first=5)
     ref = torch.nn.functional.cross_entropy(logits[5:9], tokens[6:10], reduction="sum")
-    assert count == 4 and total == pytest.approx(ref.item(), rel=1e-6)
+    assert nll.shape == (4,) and nll.sum() == pytest.approx(ref.item(), rel=1e-6)
 
 
 def test_physical_cores_and_cpu_provider():
@@ -74,7 +70,7 @@ CFG = BenchConfig(repetitions=2, n_prompt=48, n_gen=8, ppl_ctx=32, ppl_windows=3
 
 @pytest.fixture(scope="module")
 def bench_result(tiny_export):
-    return onnxrt.run_benchmark({"ref": tiny_export, "again": tiny_export / "model.onnx"}, eval_spec="builtin", cfg=CFG)
+    return run_benchmark({"ref": tiny_export, "again": tiny_export / "model.onnx"}, eval_spec="builtin", cfg=CFG)
 
 
 def test_benchmark_metrics(bench_result, tiny_export):
@@ -96,7 +92,6 @@ def test_benchmark_metrics(bench_result, tiny_export):
 
 def test_benchmark_perplexity_equals_pytorch(bench_result, tiny_llama_dir, tiny_export):
     """The same windows scored by the PyTorch model give the same perplexity."""
-    from laco_deploy.bench.onnxrt_worker import eval_tokens
     from laco_deploy.models import load_model
 
     model = load_model(str(tiny_llama_dir)).model
@@ -105,8 +100,8 @@ def test_benchmark_perplexity_equals_pytorch(bench_result, tiny_llama_dir, tiny_
         ids = torch.tensor(window)
         with torch.no_grad():
             logits = model(ids.view(1, -1)).logits[0].numpy()
-        nll, n = second_half_nll(logits, ids.numpy())
-        total, count = total + nll, count + n
+        nll = window_nll(logits, window, len(window) // 2)
+        total, count = total + nll.sum(), count + nll.size
     assert bench_result.models["ref"]["ppl"] == pytest.approx(math.exp(total / count), rel=1e-4)
 
 

@@ -1,0 +1,103 @@
+"""The shared benchmark harness: token plan, scoring and the measurement loop, with a fake runtime."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from laco_deploy.bench import harness
+from laco_deploy.config import BenchConfig, to_dict
+from laco_deploy.errors import ConfigError
+
+VOCAB = 7
+
+
+class FakeSession:
+    """Uniform logits: every token has probability 1/VOCAB, so perplexity is VOCAB."""
+
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def prefill(self, ids):
+        self.log.append(f"prefill {len(ids)}")
+        return np.zeros(VOCAB, np.float32)
+
+    def step(self, token):
+        self.log.append("step")
+        return np.zeros(VOCAB, np.float32)
+
+    def window_logits(self, ids):
+        self.log.append(f"window {len(ids)}")
+        return np.zeros((len(ids), VOCAB), np.float32)
+
+    def metadata(self):
+        return {"laco_deploy.pattern": "2:4", "general.name": "fake"}
+
+    def facts(self):
+        return {"fake": True}
+
+    def close(self):
+        self.log.append("close")
+
+
+class FakeAdapter:
+    def __init__(self):
+        self.log: list[str] = []
+
+    def load(self, job):
+        self.log.append("load")
+        return FakeSession(self.log)
+
+    def tokens(self, session, job, cfg):
+        return harness.plan_tokens([i % VOCAB for i in range(200)], None, cfg)
+
+
+def test_plan_tokens_windows_bos_and_prompt():
+    cfg = BenchConfig(n_prompt=10, ppl_ctx=16, ppl_windows=8)
+    plan = harness.plan_tokens([0] + list(range(1, 40)), 0, cfg)  # BOS id 0 first
+    assert len(plan["windows"]) == 2 and all(len(w) == 16 and w[0] == 0 for w in plan["windows"])
+    assert plan["windows"][1][1:] == list(range(17, 32))
+    assert plan["prompt"] == list(range(1, 11))  # BOS not part of the prompt text
+    short = harness.plan_tokens(list(range(16)), None, BenchConfig(n_prompt=20, ppl_ctx=16))
+    assert short["prompt"] == list(range(16)) + [0, 1, 2, 3]  # short text repeated
+    with pytest.raises(ConfigError, match="fewer than one window"):
+        harness.plan_tokens([1, 2], None, BenchConfig(ppl_ctx=16))
+
+
+def test_measure_runs_every_runtime_through_the_same_loop():
+    cfg = BenchConfig(repetitions=3, n_prompt=20, n_gen=5, ppl_ctx=32, ppl_windows=4)
+    adapter = FakeAdapter()
+    m = harness.measure(adapter, {"cfg": to_dict(cfg)})
+    log = adapter.log
+    assert log.count("load") == 3 and log[:6] == ["load", "close", "load", "close", "load", "prefill 16"]
+    assert log.count("step") == 4 + 3 * 5  # warm-up 4 tokens, then n_gen per repetition
+    assert log.count("window 32") == 4 and log[-1] == "close"
+    assert m["ppl"] == pytest.approx(VOCAB) and m["ppl_tokens"] == 4 * 15 and m["ppl_windows"] == 4
+    for key in ("pp_tps", "tg_tps", "ttft_s", "load_s"):
+        assert set(m[key]) == {"median", "spread"} and m[key]["median"] > 0
+    assert m["pattern"] == "2:4" and m["laco_deploy"] == {"pattern": "2:4"} and m["fake"] is True
+    assert m["peak_rss_mib"] >= m["base_rss_mib"] > 0
+
+
+def test_facts_and_notes():
+    assert 1 <= harness.physical_cores() and harness.cpu_name()
+    assert math.isnan(harness.rss_mib("NoSuchField"))
+    assert harness.stat([1.0, 3.0, 2.0]) == {"median": 2.0, "spread": 1.0}
+    notes = harness.sparsity_notes({"d": {"pattern": None}, "s": {"pattern": "2:4"}, "t": {"pattern": "structured"}}, "rt")
+    assert len(notes) == 1 and notes[0].startswith("s: 2:4 sparsity") and "rt does the same work" in notes[0]
+    env = harness.environment(2, "cpu", extra=1)
+    assert env["threads"] == 2 and env["extra"] == 1 and "load_avg_1m" in env
+
+
+def test_adapter_modules_keep_no_measurement_code():
+    """Timing, RSS, statistics, CPU facts and scoring live in the harness only."""
+    import inspect
+
+    from laco_deploy.bench import llamacpp, llamacpp_bench, onnxrt, onnxrt_bench
+
+    for module in (llamacpp, llamacpp_bench, onnxrt, onnxrt_bench):
+        source = inspect.getsource(module)
+        for needle in ("perf_counter", "VmHWM", "statistics", "/proc/cpuinfo", "subprocess"):
+            assert needle not in source, (module.__name__, needle)
