@@ -179,7 +179,7 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
     _check_gguf_readable(gguf)
     try:
-        with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF"):
+        with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF", "tensor"):
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, OSError, KeyError, RuntimeError) as e:

@@ -38,7 +38,7 @@ def progress_bar(iterable, **kwargs) -> tqdm:
 
 
 @contextlib.contextmanager
-def library_bar(module_name: str, desc: str) -> Iterator[None]:
+def library_bar(module_name: str, desc: str, unit: str = "it") -> Iterator[None]:
     """Show the loop a library drives with its module-level `tqdm` as our bar named `desc`.
 
     For slow library steps whose bar cannot be switched off otherwise (transformers' GGUF
@@ -52,7 +52,7 @@ def library_bar(module_name: str, desc: str) -> Iterator[None]:
     if original is None:
         yield
         return
-    module.tqdm = lambda iterable=None, *args, **kwargs: progress_bar(iterable, desc=desc, unit=kwargs.get("unit", "it"))
+    module.tqdm = lambda iterable=None, *args, **kwargs: progress_bar(iterable, desc=desc, unit=unit)
     try:
         yield
     finally:
