@@ -1,22 +1,62 @@
-"""The five build stages as calls into the stage packages, wired through a pipeline.Builder.
+"""The build recipe: one method per stage, called in order by `BuildRecipe.run()`.
 
-Each stage's reuse key is made of its own settings and the hashes of its inputs (the previous
-stage's outputs), so a change anywhere upstream reruns everything downstream and nothing else.
+prune -> compensate -> export -> fidelity -> bench, each writing into one build folder. A stage
+declares its settings and names its inputs as outputs of earlier stages (or the build's sources);
+the StageCache derives the reuse key from them, so a change anywhere upstream reruns everything
+downstream and nothing else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-from laco_deploy.config import to_dict
+from laco_deploy.config import BuildConfig, to_dict
+from laco_deploy.fsutil import sha256_tree
+from laco_deploy.stagecache import Output, StageCache
 from laco_deploy.targets import TARGETS
 
-if TYPE_CHECKING:
-    from laco_deploy.pipeline import Builder
-
 log = logging.getLogger(__name__)
+STAGES = ("prune", "compensate", "export", "fidelity", "bench")
+
+
+def data_fingerprint(spec: str, role: str) -> str:
+    from laco_deploy.data import builtin_path
+
+    if spec == "builtin":
+        return sha256_tree(builtin_path(role))
+    path = Path(spec).expanduser()
+    return sha256_tree(path) if path.exists() else f"spec:{spec}"
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where each artifact lives inside the build folder."""
+
+    root: Path
+    target: str
+    quant: str
+
+    @property
+    def pruned(self) -> Path:
+        return self.root / "pruned"
+
+    @property
+    def recovered(self) -> Path:
+        return self.root / "recovered"
+
+    def exported(self, label: str = "model") -> Path:
+        """The exported model ("model") at the top, the dense/pruned references under reference/."""
+        target = TARGETS[self.target]
+        if label == "model":
+            return self.root / target.build_artifact.format(quant=self.quant)
+        return self.root / "reference" / target.artifact_name(label, self.quant)
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
 
 
 def _calib(data) -> dict:
@@ -28,115 +68,124 @@ def _eval(data) -> dict:
     return {"eval": data.eval, "eval_samples": data.eval_samples, "seqlen": data.seqlen}
 
 
-def _hash_of(b: "Builder", stage: str, label: str) -> str:
-    return b.manifest["stages"][stage]["files"][label]["sha256"]
+class BuildRecipe:
+    """The stages of one build over a StageCache; `run()` calls them in order."""
 
+    def __init__(self, cfg: BuildConfig, cache: StageCache, device: Any):
+        self.cfg, self.cache, self.device = cfg, cache, device
+        self.target = TARGETS[cfg.export.target]
+        self.layout = Layout(cache.root, self.target.name, cfg.export.resolved_quant)
 
-def stage_prune(b: "Builder") -> Path:
-    from laco_deploy.prune import run as prune
+    def run(self) -> bool:
+        """Every stage in order; -> whether every quality gate passed."""
+        src = self.sources()
+        pruned = self.prune(src)
+        recovered = self.compensate(src, pruned)
+        exported = self.export(src, pruned, recovered)
+        passed = self.fidelity(src, pruned, recovered, exported)
+        self.bench(exported)
+        return passed
 
-    cfg, out = b.cfg, b.layout.pruned
-    settings = {"model": to_dict(cfg.model), "data": _calib(cfg.data), "prune": to_dict(cfg.prune)}
-    settings["model"].pop("device")
-    inputs = {"model": b.manifest["inputs"]["model"], "calib": b.manifest["inputs"]["calib"]}
-    b.stage("prune", settings, inputs, {"pruned": out},
-            lambda: prune(cfg.model, cfg.data, cfg.prune, out, resume=cfg.resume, device=b.device))
-    return out
+    def sources(self) -> dict[str, Output]:
+        """Fingerprints of what the build reads from outside its folder: model, texts, task files."""
+        from laco_deploy.models import source_fingerprint
 
+        cfg, cache = self.cfg, self.cache
+        src = {"model": cache.source("model", source_fingerprint(cfg.model.model)),
+               "calib": cache.source("calib", data_fingerprint(cfg.data.calib, "calib")),
+               "eval": cache.source("eval", data_fingerprint(cfg.data.eval, "eval"))}
+        if cfg.fidelity.tasks:  # zero-shot task files and their data: editing one reruns fidelity
+            from laco_deploy.fidelity.tasks import tasks_fingerprint
 
-def stage_compensate(b: "Builder", pruned: Path) -> Path:
-    cfg = b.cfg
-    if cfg.compensate.method == "none":
-        return pruned
-    from laco_deploy.compensate import run as compensate
+            src["tasks"] = cache.source("tasks", tasks_fingerprint(cfg.fidelity.tasks))
+        cache.save()
+        return src
 
-    out = b.layout.recovered
-    settings = {"data": _calib(cfg.data), "compensate": to_dict(cfg.compensate)}
-    inputs = {"dense": b.manifest["inputs"]["model"], "pruned": _hash_of(b, "prune", "pruned"),
-              "calib": b.manifest["inputs"]["calib"]}
-    b.stage("compensate", settings, inputs, {"recovered": out},
-            lambda: compensate(cfg.model, cfg.data, cfg.compensate, pruned, out, resume=cfg.resume, device=b.device))
-    return out
+    def prune(self, src: dict[str, Output]) -> Output:
+        from laco_deploy.prune import run as prune
 
+        cfg, out = self.cfg, self.layout.pruned
+        settings = {"model": to_dict(cfg.model), "data": _calib(cfg.data), "prune": to_dict(cfg.prune)}
+        settings["model"].pop("device")
+        done = self.cache.run("prune", settings, {"model": src["model"], "calib": src["calib"]}, {"pruned": out},
+                              lambda: prune(cfg.model, cfg.data, cfg.prune, out, resume=cfg.resume, device=self.device))
+        return done.outputs["pruned"]
 
-def stage_export(b: "Builder", pruned: Path, recovered: Path) -> dict[str, Path]:
-    """Export the recovered model, plus dense and pruned references for the runtime comparison."""
-    from laco_deploy.models import local_model_dir
+    def compensate(self, src: dict[str, Output], pruned: Output) -> Output:
+        """The recovered model, or the pruned one when recovery is off."""
+        cfg = self.cfg
+        if cfg.compensate.method == "none":
+            return pruned
+        from laco_deploy.compensate import run as compensate
 
-    cfg, lay = b.cfg, b.layout
-    target = TARGETS[cfg.export.target]
-    dense_dir = local_model_dir(cfg.model.model, allow_pickle=cfg.model.allow_pickle)
-    sources = {"dense": dense_dir, "pruned": pruned}
-    if recovered != pruned:
-        sources["model"] = recovered
-    else:
-        sources = {"dense": dense_dir, "model": pruned}
-    outputs = {label: lay.exported(label) for label in sources}
-    settings = {"export": to_dict(cfg.export), "quant": lay.quant}
-    inputs = {"dense": b.manifest["inputs"]["model"], "pruned": _hash_of(b, "prune", "pruned")}
-    if "compensate" in b.manifest["stages"] and recovered != pruned:
-        inputs["recovered"] = _hash_of(b, "compensate", "recovered")
+        out = self.layout.recovered
+        settings = {"data": _calib(cfg.data), "compensate": to_dict(cfg.compensate)}
+        inputs = {"dense": src["model"], "pruned": pruned, "calib": src["calib"]}
+        done = self.cache.run("compensate", settings, inputs, {"recovered": out},
+                              lambda: compensate(cfg.model, cfg.data, cfg.compensate, pruned.path, out,
+                                                 resume=cfg.resume, device=self.device))
+        return done.outputs["recovered"]
 
-    def run() -> dict:
-        results = {}
-        for label, src in sources.items():
-            sparse = cfg.export.sparse_storage and label != "dense"
-            results[label] = target.export(src, outputs[label], lay.quant, sparse_storage=sparse).to_dict()
-        return results
+    def export(self, src: dict[str, Output], pruned: Output, recovered: Output) -> dict[str, Output]:
+        """Export the recovered model ("model"), plus dense and pruned references for the runtime comparison."""
+        from laco_deploy.models import local_model_dir
 
-    b.stage("export", settings, inputs, outputs, run)
-    return outputs
+        cfg, lay, target = self.cfg, self.layout, self.target
+        dense_dir = local_model_dir(cfg.model.model, allow_pickle=cfg.model.allow_pickle)
+        inputs = {"dense": src["model"], "pruned": pruned}
+        if recovered != pruned:
+            sources = {"dense": dense_dir, "pruned": pruned.path, "model": recovered.path}
+            inputs["recovered"] = recovered
+        else:
+            sources = {"dense": dense_dir, "model": pruned.path}
+        outputs = {label: lay.exported(label) for label in sources}
+        settings = {"export": to_dict(cfg.export), "quant": lay.quant}
 
+        def run() -> dict:
+            results = {}
+            for label, model_dir in sources.items():
+                sparse = cfg.export.sparse_storage and label != "dense"
+                results[label] = target.export(model_dir, outputs[label], lay.quant, sparse_storage=sparse).to_dict()
+            return results
 
-def stage_fidelity(b: "Builder", pruned: Path, recovered: Path, exported: dict[str, Path]):
-    from laco_deploy.fidelity import run as fidelity
+        return self.cache.run("export", settings, inputs, outputs, run).outputs
 
-    cfg = b.cfg
-    candidates: dict[str, Path] = {"pruned": pruned}
-    if recovered != pruned:
-        candidates[cfg.compensate.method] = recovered
-    candidates[f"{cfg.export.target}-{b.layout.quant}"] = exported["model"]
-    settings = {"data": _eval(cfg.data), "fidelity": to_dict(cfg.fidelity)}
-    inputs = {"dense": b.manifest["inputs"]["model"], "eval": b.manifest["inputs"]["eval"],
-              "candidates": {k: _hash_of(b, "export", "model") if k.startswith(cfg.export.target) else
-                             _hash_of(b, "compensate" if k != "pruned" else "prune", "recovered" if k != "pruned" else "pruned")
-                             for k in candidates}}
-    if cfg.fidelity.tasks:  # zero-shot task files and their data are inputs too: editing one reruns the stage
-        from laco_deploy.fidelity.tasks import tasks_fingerprint
+    def fidelity(self, src: dict[str, Output], pruned: Output, recovered: Output, exported: dict[str, Output]) -> bool:
+        """Fidelity reports for the pruned, recovered and exported models; -> whether every gate passed."""
+        from laco_deploy.fidelity import run as fidelity
+        from laco_deploy.fidelity.gates import verdict
 
-        inputs["tasks"] = tasks_fingerprint(cfg.fidelity.tasks)
-    outputs = {name: b.layout.root / name for name in ("fidelity.json", "fidelity.md", "fidelity.html")}
-    return b.stage("fidelity", settings, inputs, outputs,
-                   lambda: fidelity(cfg.model, cfg.data, cfg.fidelity, candidates, b.layout.root, device=b.device))
+        cfg = self.cfg
+        candidates = {"pruned": pruned}
+        if recovered != pruned:
+            candidates[cfg.compensate.method] = recovered
+        candidates[f"{self.target.name}-{self.layout.quant}"] = exported["model"]
+        settings = {"data": _eval(cfg.data), "fidelity": to_dict(cfg.fidelity)}
+        inputs: dict[str, Any] = {"dense": src["model"], "eval": src["eval"], "candidates": candidates}
+        if "tasks" in src:
+            inputs["tasks"] = src["tasks"]
+        outputs = {name: self.layout.root / name for name in ("fidelity.json", "fidelity.md", "fidelity.html")}
+        paths = {label: out.path for label, out in candidates.items()}
+        done = self.cache.run("fidelity", settings, inputs, outputs,
+                              lambda: fidelity(cfg.model, cfg.data, cfg.fidelity, paths, self.layout.root, device=self.device))
+        return verdict(done.result)
 
+    def bench(self, exported: dict[str, Output]) -> None:
+        """The exported models on their runtime, side by side (bench.json)."""
+        from laco_deploy.fsutil import write_json
 
-def stage_bench(b: "Builder", exported: dict[str, Path]):
-    from laco_deploy.fsutil import write_json
+        cfg, target = self.cfg, self.target
+        out = self.layout.root / "bench.json"
+        models = {"dense": exported["dense"].path}
+        if "pruned" in exported:
+            models["pruned"] = exported["pruned"].path
+        models[cfg.compensate.method if cfg.compensate.method != "none" else "pruned"] = exported["model"].path
+        settings = {"bench": to_dict(cfg.bench), "eval": cfg.data.eval}
 
-    cfg = b.cfg
-    target = TARGETS[cfg.export.target]
-    out = b.layout.root / "bench.json"
-    models = {"dense": exported["dense"]}
-    if "pruned" in exported:
-        models["pruned"] = exported["pruned"]
-    models[cfg.compensate.method if cfg.compensate.method != "none" else "pruned"] = exported["model"]
-    settings = {"bench": to_dict(cfg.bench), "eval": cfg.data.eval}
-    inputs = {label: b.manifest["stages"]["export"]["files"][label]["sha256"] for label in exported}
+        def run():
+            result = target.run_benchmark(models, eval_spec=cfg.data.eval, cfg=cfg.bench,
+                                          device=target.runtime_device(self.device))
+            write_json(out, result.to_dict())
+            return result
 
-    def run():
-        result = target.run_benchmark(models, eval_spec=cfg.data.eval, cfg=cfg.bench,
-                                      device=target.runtime_device(b.device))
-        write_json(out, result.to_dict())
-        return result
-
-    return b.stage("bench", settings, inputs, {"bench.json": out}, run)
-
-
-def run_all(b: "Builder") -> None:
-    pruned = stage_prune(b)
-    recovered = stage_compensate(b, pruned)
-    exported = stage_export(b, pruned, recovered)
-    fid = stage_fidelity(b, pruned, recovered, exported)
-    stage_bench(b, exported)
-    b.manifest["gates_passed"] = bool(fid["result"].get("passed", True))
-    b.save()
+        self.cache.run("bench", settings, dict(exported), {"bench.json": out}, run)

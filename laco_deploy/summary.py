@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from laco_deploy.fidelity.gates import verdict
+
 
 def _median(v: Any) -> Any:
     return v.get("median") if isinstance(v, dict) else v
@@ -32,7 +34,7 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         out["top1"] = {label: m.get("top1") for label, m in cands.items()}
         out.update(_domain_summary(fid))
         out["gates"] = fid.get("gates", [])
-        out["gates_passed"] = fid.get("passed", True)
+        out["gates_passed"] = verdict(fid)
     if bench:
         models = bench.get("models", {})
         out["runtime"] = bench.get("runtime")
@@ -125,7 +127,7 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
     gates = summary.get("gates") or []
     if gates:
         lines.append("gates            " + "  ".join(
-            f"{g.get('name')}: {'pass' if g.get('passed') else 'FAIL'} ({_fmt(g.get('value'))} vs {_fmt(g.get('threshold'))})" for g in gates))
+            f"{g.get('name')}: {'pass' if g['passed'] else 'FAIL'} ({_fmt(g.get('value'))} vs {_fmt(g.get('threshold'))})" for g in gates))
     else:
         lines.append("gates            none set (--max-kl, --min-top1, --max-ppl-ratio)")
     walls = summary.get("stage_wall_s", {})

@@ -57,13 +57,11 @@ def test_gguf_build_complete_then_reused(tiny_llama_dir, tmp_path):
 
 def _prune_and_compensate(cfg):
     """The first two stages exactly as build() runs them (the later ones do not matter here)."""
-    from laco_deploy.pipeline import Builder
-    from laco_deploy.pipeline_stages import stage_compensate, stage_prune
+    from laco_deploy.pipeline import prepare
 
-    b = Builder(cfg)
-    b.layout.root.mkdir(parents=True, exist_ok=True)
-    b.manifest["inputs"] = {"model": "m", "calib": "c", "eval": "e"}
-    return b, stage_compensate(b, stage_prune(b))
+    recipe = prepare(cfg)
+    src = recipe.sources()
+    return recipe, recipe.compensate(src, recipe.prune(src)).path
 
 
 def test_resume_after_kill_mid_compensation_equals_uninterrupted(tiny_llama_dir, tmp_path, monkeypatch):
@@ -97,7 +95,7 @@ def test_resume_after_kill_mid_compensation_equals_uninterrupted(tiny_llama_dir,
     cfg = _cfg(tiny_llama_dir, out)
     b, recovered = _prune_and_compensate(merge({"model": {"model": str(tiny_llama_dir), "device": "cpu"}, **SMALL},
                                                {"out": str(out), "resume": True}))
-    assert b.manifest["stages"]["prune"]["reused"] and cfg.compensate == b.cfg.compensate
+    assert b.cache.manifest["stages"]["prune"]["reused"] and cfg.compensate == b.cfg.compensate
     assert trained == [1]  # layer 0 came from its checkpoint
     a, c = _weights(reference), _weights(recovered)
     assert a.keys() == c.keys() and all((a[k] == c[k]).all() for k in a)

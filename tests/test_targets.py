@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from laco_deploy.config import BuildConfig, ExportConfig, ModelConfig
-from laco_deploy.pipeline import Layout
+from laco_deploy.pipeline_stages import Layout
 from laco_deploy.targets import GGUF, ONNX, RUNTIMES, TARGETS, _load, target_for_path
 
 

@@ -89,6 +89,6 @@ def build_command(
         console.print()
         for line in lines:
             console.print(line, highlight=False, soft_wrap=True)  # tables stay intact in narrow terminals and logs
-    if not summary.get("gates_passed", True):
-        failed = [g for g in summary.get("gates", []) if not g.get("passed")]
+    if not manifest["gates_passed"]:
+        failed = [g for g in summary["gates"] if not g["passed"]]
         raise GateFailed("gate failed: " + "; ".join(f"{g['name']} {g.get('value')} vs limit {g.get('threshold')}" for g in failed))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from laco_deploy.config import FidelityConfig
+from laco_deploy.errors import GateFailed
 
 # gate name -> (config field, metric path in the candidate's metrics, "max" or "min", words)
 GATES = {
@@ -45,3 +46,13 @@ def gate_message(gate: dict[str, Any]) -> str:
     status = "passed" if gate["passed"] else f"FAILED by {gate['miss']:.4g}"
     return (f"gate {gate['name']} {status} for {gate['candidate']}: {gate['description']} = {gate['value']:.4g}, "
             f"required {op} {gate['threshold']:.4g}")
+
+
+def verdict(result: Mapping[str, Any]) -> bool:
+    """The `passed` field of a fidelity result (FidelityResult.to_dict()). A result without one is an
+    error, never a pass: the gates cannot be said to hold when nobody checked them."""
+    passed = result.get("passed")
+    if not isinstance(passed, bool):
+        raise GateFailed(f"the fidelity result has no gate verdict ('passed' is {passed!r}); its gates were not "
+                         "checked: rerun the fidelity stage (delete fidelity.json or the build folder)")
+    return passed

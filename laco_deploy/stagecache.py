@@ -1,0 +1,141 @@
+"""Stage reuse in one build folder, keyed on what each stage was given.
+
+A stage declares its settings and its inputs as `Output`s: named outputs of earlier stages (files
+or folders in the build folder, hashed when they were made) or the build's sources (fingerprints
+of the model and the texts). The cache derives the stage's key from the settings, the inputs'
+hashes and the laco-deploy version; a stage whose key matches its record in the manifest and whose
+outputs are intact is reused instead of rerun. After each stage `manifest.json` is rewritten
+atomically with what the stage made (files with hashes, settings, input hashes, wall time, peak
+memory), so a killed build leaves a manifest of the stages that finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Union
+
+from laco_deploy import __version__
+from laco_deploy.fsutil import sha256_tree, write_json
+from laco_deploy.memory import measure
+
+log = logging.getLogger(__name__)
+
+SOURCES = "inputs"  # the manifest section holding the build's own inputs (Output.stage of a source)
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Output:
+    """A named output of a stage, or a build source (stage SOURCES, no path)."""
+
+    stage: str
+    label: str
+    path: Path | None = None
+
+
+Inputs = Mapping[str, Union[Output, Mapping[str, Output]]]  # name -> output, or a named group of outputs
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """A stage's manifest record and handles on what it made."""
+
+    record: dict[str, Any]
+    outputs: dict[str, Output]
+
+    @property
+    def result(self) -> dict[str, Any]:
+        return self.record["result"]
+
+
+class StageCache:
+    """Runs stages in one build folder, reusing unchanged ones, and keeps the manifest current."""
+
+    def __init__(self, root: Path, header: dict[str, Any], device: Any = "cpu",
+                 on_stage: Callable[[str, str], None] | None = None):
+        """header: the manifest's fixed fields (tool, config, versions, ...); stages of a previous
+        manifest in `root` are kept as candidates for reuse."""
+        self.root = Path(root)
+        self.device = device
+        self.on_stage = on_stage or (lambda _stage, _status: None)
+        self.manifest: dict[str, Any] = {**header, SOURCES: {}, "stages": self._previous_stages(), "summary": {}}
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / MANIFEST
+
+    def _previous_stages(self) -> dict[str, Any]:
+        if not self.manifest_path.is_file():
+            return {}
+        try:
+            return json.loads(self.manifest_path.read_text()).get("stages", {})
+        except json.JSONDecodeError:
+            log.warning("%s is unreadable; every stage will rerun", self.manifest_path)
+            return {}
+
+    def save(self) -> None:
+        write_json(self.manifest_path, self.manifest)
+
+    def source(self, label: str, fingerprint: str) -> Output:
+        """Record a build input's fingerprint; -> the Output that stages name as their input."""
+        self.manifest[SOURCES][label] = fingerprint
+        return Output(SOURCES, label)
+
+    def hash_of(self, output: Output) -> str:
+        """The content hash of an earlier stage's output (or a source's fingerprint) from the manifest."""
+        if output.stage == SOURCES:
+            return self.manifest[SOURCES][output.label]
+        try:
+            return self.manifest["stages"][output.stage]["files"][output.label]["sha256"]
+        except KeyError as e:
+            raise KeyError(f"stage {output.stage!r} recorded no output {output.label!r}; "
+                           "a stage can only use outputs of stages that ran before it") from e
+
+    def _resolve(self, inputs: Inputs) -> dict[str, Any]:
+        return {name: ({k: self.hash_of(o) for k, o in value.items()} if isinstance(value, Mapping) else self.hash_of(value))
+                for name, value in inputs.items()}
+
+    def run(self, name: str, settings: dict[str, Any], inputs: Inputs, outputs: dict[str, Path],
+            fn: Callable[[], Any]) -> StageRun:
+        """Run `fn` unless a previous run with the same key left intact outputs; record it either way."""
+        hashes = self._resolve(inputs)
+        key = hashlib.sha256(json.dumps({"settings": settings, "inputs": hashes, "version": __version__},
+                                        sort_keys=True, default=str).encode()).hexdigest()
+        handles = {label: Output(name, label, Path(p)) for label, p in outputs.items()}
+        old = self.manifest["stages"].get(name)
+        if old and old.get("key") == key and self._outputs_intact(old):
+            self.on_stage(name, "reused")
+            old["reused"] = True
+            self.save()
+            return StageRun(old, handles)
+        self.on_stage(name, "running")
+        with measure(self.device) as m:
+            result = fn()
+        files = {
+            label: {"path": str(p.relative_to(self.root)), "sha256": sha256_tree(p), "bytes": _size(p)}
+            for label, p in outputs.items() if p.exists()
+        }
+        record = {
+            "key": key, "settings": settings, "inputs": hashes, "files": files, "reused": False,
+            "wall_s": round(m.wall_s, 2), "peak_mib": m.to_dict()["peak_mib"], "memory_kind": m.kind,
+            "result": result.to_dict() if hasattr(result, "to_dict") else result,
+        }
+        self.manifest["stages"][name] = record
+        self.save()
+        self.on_stage(name, "done")
+        return StageRun(record, handles)
+
+    def _outputs_intact(self, record: dict) -> bool:
+        for info in record.get("files", {}).values():
+            p = self.root / info["path"]
+            if not p.exists() or sha256_tree(p) != info["sha256"]:
+                return False
+        return bool(record.get("files"))
+
+
+def _size(p: Path) -> int:
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
