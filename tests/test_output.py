@@ -45,12 +45,15 @@ def _emit() -> None:
     logging.getLogger("laco_deploy.cli").info("only for the build log", extra=output.FILE_ONLY)
     logging.getLogger("gguf.gguf_writer").info("their info")
     logging.getLogger("transformers.modeling_utils").warning("their warning")
+    logging.getLogger("onnxruntime").error("their error")
     warnings.warn("a python warning", UserWarning, stacklevel=1)
 
 
 @pytest.mark.parametrize("level,shown,hidden", [
-    (Verbosity.NORMAL, ["our info", "warning: our warning"], ["their info", "their warning", "a python warning", "only for the build log"]),
-    (Verbosity.QUIET, ["warning: our warning"], ["our info", "their info", "their warning", "a python warning"]),
+    (Verbosity.NORMAL, ["our info", "warning: our warning", "error: onnxruntime: their error"],
+     ["their info", "their warning", "a python warning", "only for the build log"]),
+    (Verbosity.QUIET, ["warning: our warning", "error: onnxruntime: their error"],
+     ["our info", "their info", "their warning", "a python warning"]),
     (Verbosity.VERBOSE, ["INFO laco_deploy.prune.run: our info", "INFO gguf.gguf_writer: their info",
                          "WARNING transformers.modeling_utils: their warning", "a python warning"], ["only for the build log"]),
 ])

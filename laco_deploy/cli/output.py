@@ -52,10 +52,6 @@ def is_ours(logger_name: str) -> bool:
     return logger_name.split(".", 1)[0] in OURS
 
 
-def verbosity() -> Verbosity:
-    return _current
-
-
 class _TerminalFilter(logging.Filter):
     def __init__(self, ours: int, others: int):
         super().__init__()
@@ -68,10 +64,13 @@ class _TerminalFilter(logging.Filter):
 
 
 class _PlainFormatter(logging.Formatter):
-    """Our INFO lines as bare messages; warnings and errors prefixed `warning:` / `error:`."""
+    """Our INFO lines as bare messages; warnings and errors prefixed `warning:` / `error:`, and with the
+    logger's name when another library's error gets through."""
 
     def format(self, record: logging.LogRecord) -> str:
         message = super().format(record)
+        if not is_ours(record.name):
+            message = f"{record.name}: {message}"
         return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 
