@@ -192,7 +192,7 @@ class FidelityConfig:
     # zero-shot accuracy through lm-evaluation-harness (fidelity/zeroshot.py): task names or task .yaml files
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
-    task_batch_size: int = 8  # requests per forward pass in the harness
+    task_batch_size: int = 16  # sequences per forward pass in the harness (SmolLM2-135M on 2 cores: 16-32 ~25% faster than 8)
 
     def validate(self) -> list[str]:
         errs = []
