@@ -43,6 +43,11 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "s128e1_anchor100": (128, 128, {"epochs": 1, "anchor_decay": 100.0}),
     "s128e1_wd": (128, 128, {"epochs": 1, "weight_decay": 0.1}),
     "base_mix50": (32, 128, {"dense_input_mix": 0.5}),
+    "s128_lsq": (128, 128, {"epochs": 0, "init": "lsq"}),
+    "s128_lsq_w": (128, 128, {"epochs": 0, "init": "lsq", "lsq_token_weight": "nmse"}),
+    "s128e1_lsq": (128, 128, {"epochs": 1, "init": "lsq"}),
+    "s64e2_lsq": (64, 128, {"epochs": 2, "init": "lsq"}),
+    "base_lsq": (32, 128, {"init": "lsq"}),
     "base_anchor100": (32, 128, {"anchor_decay": 100.0}),
 }
 

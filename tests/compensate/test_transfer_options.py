@@ -81,3 +81,71 @@ def test_training_flops_match_the_layer_shapes(tiny_llama_dir, sparse_unstructur
     tokens = DATA.samples * DATA.seqlen
     forward = 2 * per_layer * tokens / 1e9
     assert 2 * forward <= res.per_layer[0]["train_gflop"] <= 3.5 * forward
+
+
+def test_lsq_init_keeps_mask_and_never_worsens(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=2, init="lsq"), sparse_unstructured_dir,
+              tmp_path / "out")
+    _assert_same_pattern(sparse_unstructured_dir, tmp_path / "out")
+    _lowered(res.per_layer)
+
+
+def _lowered(records: list[dict]) -> None:
+    """The refit (and training) never leaves a layer worse than pruned on held-out samples."""
+    assert all(r["nmse_after"] <= r["nmse_pruned"] for r in records)
+
+
+def test_masked_ridge_rows_equal_per_row_least_squares():
+    from laco_deploy.compensate.lsq import _solve_rows
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 10, generator=gen, dtype=torch.float64)
+    y = x @ torch.randn(10, 4, generator=gen, dtype=torch.float64)
+    w0 = torch.randn(4, 10, generator=gen, dtype=torch.float64)
+    ragged = torch.rand(4, 10, generator=gen) > 0.5
+    per_row = torch.stack([torch.randperm(10, generator=gen) < 5 for _ in range(4)])  # 5 kept in every row
+    for mask in (ragged, per_row):
+        w = _solve_rows(x.T @ x, x.T @ y, w0, mask, damp=1e-12)
+        for i in range(4):
+            keep = mask[i].nonzero().squeeze(1)
+            ref = torch.linalg.lstsq(x[:, keep], y[:, i]).solution
+            assert torch.allclose(w[i, keep], ref, atol=1e-6)
+            assert (w[i, ~mask[i]] == 0).all()
+
+
+def test_lsq_refit_lowers_the_layer_error_on_its_samples(tiny_llama_dir, sparse_unstructured_dir):
+    """On the samples it is fit on, the refit of layer 0 (same input on both paths) lowers the error."""
+    from laco_deploy.compensate import lsq
+    from laco_deploy.compensate.masks import layer_masks
+    from laco_deploy.data import calibration_samples
+    from laco_deploy.engine import LayerContext, capture_layer_inputs
+    from laco_deploy.engine.capture import kwargs_on
+    from laco_deploy.models import load_model
+
+    dense, sparse = load_model(str(tiny_llama_dir)), load_model(str(sparse_unstructured_dir))
+    for m in (dense.model, sparse.model):
+        m.requires_grad_(False)
+    cpu = torch.device("cpu")
+    inputs = capture_layer_inputs(sparse.model, calibration_samples(sparse.tokenizer, "builtin", 8, 32, 0), cpu)
+    layer, twin = sparse.model.model.layers[0], dense.model.model.layers[0]
+    targets = inputs.hidden.clone_empty()
+    ctx = LayerContext(0, 2, layer, inputs.hidden, kwargs_on(inputs.kwargs, cpu), cpu, 4, twin, inputs.hidden, targets)
+    ctx.run(twin, inputs.hidden, targets)
+    error = lambda: float((ctx.forward(layer, inputs.hidden.data) - targets.data).pow(2).sum())  # noqa: E731
+    before = error()
+    masks = layer_masks(layer)
+    lsq.refit_layer(ctx, masks, torch.arange(8), damp=1e-3)
+    assert error() < 0.8 * before
+    assert all(torch.equal(layer_masks(layer)[k], masks[k]) for k in masks)
+
+
+def test_lsq_refit_on_structured_and_qwen2_biases(tiny_llama_dir, sparse_structured_dir, tiny_qwen2_dir, tmp_path):
+    from compensate_sparse import make_unstructured
+
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=0, init="lsq"), sparse_structured_dir,
+              tmp_path / "structured")
+    _lowered(res.per_layer)
+    sparse = make_unstructured(tiny_qwen2_dir, tmp_path / "qwen_sparse")
+    res = run(ModelConfig(model=str(tiny_qwen2_dir)), DATA, _cfg(epochs=0, init="lsq"), sparse, tmp_path / "qwen")
+    _assert_same_pattern(sparse, tmp_path / "qwen")
+    _lowered(res.per_layer)

@@ -1,0 +1,177 @@
+"""Closed-form LaCo initialisation: a masked ridge least-squares refit of each pruned linear.
+
+For every prunable linear of a layer, in the order the layer calls them, the surviving weights
+are refit so that, fed the sparse path's inputs (outputs of the already compensated layers),
+the linear reproduces what the dense linear outputs on the dense path:
+
+    min_W  sum_tokens || W x_sparse - W_dense x_dense ||^2 + damp * || W - W_pruned ||^2,  W = 0 off the mask
+
+Row i with surviving inputs S has the solution w_S = (G_SS + damp I)^-1 (C_S,i + damp w_pruned,S)
+with G = sum x x^T and C = sum x y^T. Linears that share an input (q/k/v, gate/up) are solved
+together, then the layer is re-run so the next group sees the refit inputs (true-sequential).
+
+Why it transfers: the update of each row lies in the span of the calibration inputs, so on an
+input orthogonal to everything seen in calibration the refit linear behaves exactly like the
+pruned one; an Adam-trained layer moves in every direction. The ridge term keeps directions that
+calibration barely excites close to the pruned weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from laco_deploy.engine.walk import LayerContext
+
+SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, k] in fp64
+
+# Linears whose output is added to the residual stream, and where that stream comes from: the
+# layer's input (attention block) or the input of the named norm (MLP block). Their target also
+# absorbs the difference between the dense and the sparse residual stream, so the layer's output
+# (not only each linear's) moves towards the dense hidden states: LaCo's objective, in closed form.
+RESIDUAL_WRITERS = {"self_attn.o_proj": None, "mlp.down_proj": "post_attention_layernorm"}
+
+
+@contextlib.contextmanager
+def _capture(layer: torch.nn.Module, names: list[str], what: str) -> Iterator[dict[str, torch.Tensor]]:
+    """Record the input (`what="in"`) or output (`"out"`) of each named submodule on the next call."""
+    caught: dict[str, torch.Tensor] = {}
+    handles = []
+    for name in names:
+        mod = layer.get_submodule(name)
+        if what == "in":
+            handles.append(mod.register_forward_pre_hook(lambda _m, args, n=name: caught.__setitem__(n, args[0])))
+        else:
+            handles.append(mod.register_forward_hook(lambda _m, _a, out, n=name: caught.__setitem__(n, out)))
+    try:
+        yield caught
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def linear_groups(ctx: LayerContext, names: list[str]) -> list[list[str]]:
+    """The layer's linears grouped by shared input, in call order (q/k/v, o, gate/up, down for Llama)."""
+    seen: list[tuple[int, str]] = []
+    handles = [ctx.layer.get_submodule(n).register_forward_pre_hook(
+        lambda _m, args, n=n: seen.append((args[0].data_ptr(), n))) for n in names]
+    try:
+        ctx.forward(ctx.layer, ctx.inputs.batch(0, 1, ctx.device))
+    finally:
+        for h in handles:
+            h.remove()
+    groups: dict[int, list[str]] = {}
+    for ptr, name in seen:
+        if name not in groups.setdefault(ptr, []):
+            groups[ptr].append(name)
+    return list(groups.values())
+
+
+def _residual_norms(layer: torch.nn.Module, group: list[str]) -> list[str]:
+    """Norm modules whose input is the residual stream some linear of `group` writes to."""
+    return [RESIDUAL_WRITERS[n] for n in group if RESIDUAL_WRITERS.get(n) and hasattr(layer, RESIDUAL_WRITERS[n])]
+
+
+def _targets(group: list[str], yout: dict, res_s: dict, res_d: dict, h_s: torch.Tensor, h_d: torch.Tensor) -> dict:
+    """Each linear's target: the dense linear's output, plus the dense-minus-sparse residual stream
+    for the linears that write to it. [b, s, out] each."""
+    out = {}
+    for n in group:
+        y = yout[n]
+        if n in RESIDUAL_WRITERS:
+            src = RESIDUAL_WRITERS[n]
+            y = y + ((h_d - h_s) if src is None else (res_d[src] - res_s[src]))
+        out[n] = y
+    return out
+
+
+@torch.no_grad()
+def _statistics(ctx: LayerContext, group: list[str], idx: torch.Tensor,
+                token_weight: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """G = sum x x^T over the group's sparse-path input, and C[name] = sum x y^T against each
+    linear's target (see _targets); a bias column of ones is appended to x. fp64 sums."""
+    gram, cross = None, {n: None for n in group}
+    norms = _residual_norms(ctx.layer, group)
+    for chunk in idx.split(ctx.batch_size):
+        h_s, h_d = ctx.inputs.data[chunk].to(ctx.device), ctx.dense_inputs.data[chunk].to(ctx.device)
+        with _capture(ctx.layer, group[:1], "in") as xin, _capture(ctx.layer, norms, "in") as res_s:
+            ctx.forward(ctx.layer, h_s)
+        with _capture(ctx.dense_layer, group, "out") as yout, _capture(ctx.dense_layer, norms, "in") as res_d:
+            ctx.forward(ctx.dense_layer, h_d)
+        yout = _targets(group, yout, res_s, res_d, h_s, h_d)
+        x = xin[group[0]].reshape(-1, xin[group[0]].shape[-1]).double()  # [tokens, in]
+        x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
+        # weight each token by 1 / ||dense layer output||^2, as the nmse loss does, so a few
+        # high-norm tokens (attention sinks) do not dominate the fit
+        weight = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+        if token_weight == "nmse":
+            dense_out = ctx.dense_targets.data[chunk].reshape(x.shape[0], -1).to(ctx.device).double()
+            weight = 1.0 / dense_out.pow(2).mean(1).clamp_min(1e-12)  # [tokens]
+        g = x.T @ (x * weight[:, None])
+        gram = g if gram is None else gram + g
+        for n in group:
+            c = x.T @ (yout[n].reshape(-1, yout[n].shape[-1]).double() * weight[:, None])  # [in + 1, out]
+            cross[n] = c if cross[n] is None else cross[n] + c
+    return gram, cross
+
+
+def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Solve a x = b for a batch of symmetric positive definite systems. a [r, k, k], b [r, k]."""
+    chol, info = torch.linalg.cholesky_ex(a)
+    if bool((info == 0).all()):
+        return torch.cholesky_solve(b.unsqueeze(-1), chol).squeeze(-1)
+    return torch.linalg.solve(a, b.unsqueeze(-1)).squeeze(-1)  # numerically indefinite: LU is slower but safe
+
+
+def _solve_rows(gram: torch.Tensor, cross: torch.Tensor, w0: torch.Tensor, mask: torch.Tensor,
+                damp: float) -> torch.Tensor:
+    """Masked ridge solution row by row. gram [k, k], cross [k, out], w0/mask [out, k] -> W [out, k] (fp64).
+
+    When every row keeps the same number of inputs (per-row unstructured, N:M, structured), each
+    row's system is gathered down to its surviving inputs; otherwise the dropped inputs get an
+    identity block, which makes their solution exactly 0. Rows go in chunks to bound memory."""
+    lam = damp * float(gram.diagonal().mean())
+    out = torch.zeros(w0.shape, dtype=torch.float64, device=w0.device)
+    counts = mask.sum(1)
+    kept = int(counts[0])
+    same = bool((counts == kept).all())
+    size = kept if same else gram.shape[0]
+    rows = max(1, min(w0.shape[0], SYSTEM_BYTES // (8 * size * size)))
+    for start in range(0, w0.shape[0], rows):
+        m, w = mask[start:start + rows], w0[start:start + rows].double()
+        c = cross[:, start:start + rows].T  # [r, k]
+        if same:
+            idx = m.nonzero()[:, 1].view(m.shape[0], kept)  # surviving input indices per row, sorted
+            a = gram[idx[:, :, None], idx[:, None, :]] + lam * torch.eye(kept, dtype=gram.dtype, device=gram.device)
+            x = _spd_solve(a, c.gather(1, idx) + lam * w.gather(1, idx))
+            out[start:start + rows].scatter_(1, idx, x)
+        else:
+            mf = m.to(gram.dtype)
+            eye = torch.eye(size, dtype=gram.dtype, device=gram.device)
+            a = gram * (mf[:, :, None] * mf[:, None, :]) + eye * (lam * mf[:, None, :] + (1 - mf[:, None, :]))
+            out[start:start + rows] = _spd_solve(a, (c + lam * w) * mf) * mf
+    return out
+
+
+@torch.no_grad()
+def refit_layer(ctx: LayerContext, masks: dict[str, torch.Tensor], idx: torch.Tensor, damp: float,
+                token_weight: str = "none") -> None:
+    """Refit the surviving weights (and biases) of the layer's masked linears in place, group by group,
+    on the calibration samples `idx`. The masks are kept: dropped weights stay +0.0."""
+    for group in linear_groups(ctx, list(masks)):
+        gram, cross = _statistics(ctx, group, idx, token_weight)
+        for name in group:
+            lin = ctx.layer.get_submodule(name)
+            w0 = lin.weight.detach()
+            bias0 = lin.bias.detach() if lin.bias is not None else torch.zeros(w0.shape[0], device=w0.device)
+            full_w0 = torch.cat([w0, bias0[:, None]], 1)
+            has_bias = torch.full((w0.shape[0], 1), lin.bias is not None, dtype=torch.bool, device=w0.device)
+            full_mask = torch.cat([masks[name].to(w0.device), has_bias], 1)
+            w = _solve_rows(gram, cross[name], full_w0, full_mask, damp)
+            lin.weight.copy_(w[:, :-1].to(w0.dtype))
+            lin.weight.masked_fill_(~masks[name].to(w0.device), 0.0)  # +0.0 exactly, never -0.0
+            if lin.bias is not None:
+                lin.bias.copy_(w[:, -1].to(w0.dtype))
