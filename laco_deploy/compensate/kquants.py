@@ -1,0 +1,175 @@
+"""llama.cpp's k-quants Q4_K and Q6_K as pure tensor functions: weight -> dequantize(quantize(weight)).
+
+The arithmetic follows ggml's reference quantizers (`quantize_row_q4_K_ref`, `quantize_row_q6_K_ref`
+in ggml-quants.c, used by `llama_model_quantize` when no importance matrix is given), vectorized
+over all blocks of a matrix; rows are split into super-blocks of QK_K = 256 values.
+
+- Q4_K: 8 sub-blocks of 32, each x ~ d * sc_j * q - dmin * m_j with 4-bit q, 6-bit sc_j and m_j and
+  fp16 d, dmin per super-block. Each sub-block's (scale, min) comes from a 21-step grid search that
+  refits both by weighted least squares (`make_qkx2_quants`, weights av|x| + |x|).
+- Q6_K: 16 sub-blocks of 16, x ~ d * sc_j * q with 6-bit q in [-32, 31], int8 sc_j and fp16 d; each
+  sub-block's scale from a 19-step search weighted by x^2 (`make_qx_quants`, rmse_type 1).
+
+Why not always bit-exact: the C loops accumulate the weighted sums of a sub-block one element at a
+time in float32 (and the compiler may fuse multiply-adds), while torch sums in another order. A sum
+that differs in its last bit can flip a near-tie of the grid search or of a rounding, so a few
+blocks come out one grid step apart. tests/compensate/test_fakequant.py measures this against the
+tensors llama.cpp writes (`--quant q4_k_m` export read back): the values equal llama.cpp's
+for nearly every weight and the differences stay within one quantization step of their block.
+
+Zeros: Q6_K is symmetric, so a pruned (zero) weight dequantizes to 0. Q4_K is affine (a min per
+sub-block): a zero comes back as d * sc * round(m / sc / d) - m, generally a small non-zero value,
+exactly as llama.cpp will run it. The stored weights keep their +0.0 either way; only the forward
+pass sees the runtime's values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK_K = 256  # values per super-block
+_EPS = 1e-15  # GROUP_MAX_EPS: a (sub-)block whose largest |x| is below this is all zero
+
+
+def fp16_round(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 to the nearest fp16 value and back (GGML_FP32_TO_FP16 / FP16_TO_FP32)."""
+    return x.to(torch.float16).to(torch.float32)
+
+
+def nearest_int(x: torch.Tensor) -> torch.Tensor:
+    """ggml's nearest_int: float32 round to nearest, ties to even (the 1.5 * 2^23 addition trick)."""
+    return torch.round(x)
+
+
+def _f32(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _qkx2_scale_min(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
+                    nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make_qkx2_quants` without use_mad, on many sub-blocks at once. x, w [n, k] -> (scale [n, 1], min [n, 1]).
+
+    The returned min is positive and subtracted: x ~ scale * q - min. The search keeps the best
+    (scale, min) so far and later steps start from it, as the C loop does.
+    """
+    lo = x.amin(1, keepdim=True).clamp(max=0.0)
+    hi = x.amax(1, keepdim=True)
+    sum_w = w.sum(1, keepdim=True)
+    sum_x = (w * x).sum(1, keepdim=True)
+    flat = hi == lo
+    span = torch.where(flat, torch.ones_like(hi), hi - lo)
+    iscale = nmax / span
+    scale = 1.0 / iscale
+    q = nearest_int(iscale * (x - lo)).clamp(0, nmax)
+    best = (w * (scale * q + lo - x).square()).sum(1, keepdim=True)
+    for step in range(nstep + 1):
+        factor = _f32(rmin) + _f32(rdelta) * step + nmax
+        span = torch.where(flat, torch.ones_like(hi), hi - lo)
+        q = nearest_int(factor / span * (x - lo)).clamp(0, nmax)
+        wq = w * q
+        sum_l, sum_l2, sum_xl = wq.sum(1, keepdim=True), (wq * q).sum(1, keepdim=True), (wq * x).sum(1, keepdim=True)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        positive = this_min > 0
+        this_scale = torch.where(positive, sum_xl / sum_l2, this_scale)
+        this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
+        err = (w * (this_scale * q + this_min - x).square()).sum(1, keepdim=True)
+        better = (det > 0) & (err < best) & ~flat
+        best = torch.where(better, err, best)
+        scale = torch.where(better, this_scale, scale)
+        lo = torch.where(better, this_min, lo)
+    scale = torch.where(flat, torch.zeros_like(scale), scale)
+    return scale, -lo
+
+
+def _six_bit(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """`uint8_t l = nearest_int(inv * v); l = MIN(63, l)` (a negative result wraps as uint8 does)."""
+    q = nearest_int(inv * values)
+    q = torch.where(q < 0, q + 256, q)
+    return q.clamp(max=63)
+
+
+def q4_k_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q4_K grid of a float32 matrix (rows a multiple of 256 long): per sub-block of 32 the step
+    d * sc_j and the offset dmin * m_j, as float32. [out, in] -> ([blocks, 8, 1], [blocks, 8, 1])"""
+    sub = weight.reshape(-1, 32)
+    av_x = torch.sqrt(sub.square().sum(1, keepdim=True) / 32)
+    scales, mins = _qkx2_scale_min(sub, av_x + sub.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
+    scales, mins = scales.reshape(-1, QK_K // 32), mins.reshape(-1, QK_K // 32)  # [super-blocks, 8]
+    max_scale = scales.amax(1, keepdim=True).clamp(min=0.0)
+    max_min = mins.amax(1, keepdim=True).clamp(min=0.0)
+    inv_scale = torch.where(max_scale > 0, 63.0 / max_scale, torch.zeros_like(max_scale))
+    inv_min = torch.where(max_min > 0, 63.0 / max_min, torch.zeros_like(max_min))
+    d = fp16_round(max_scale / 63.0) * _six_bit(scales, inv_scale)
+    dm = fp16_round(max_min / 63.0) * _six_bit(mins, inv_min)
+    return d.unsqueeze(-1), dm.unsqueeze(-1)
+
+
+def q4_k_apply(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Round `weight` onto a Q4_K grid (4-bit codes q, x ~ d * q - dm) and dequantize. [out, in] -> [out, in]"""
+    d, dm = grid
+    x = weight.reshape(-1, QK_K // 32, 32)
+    zero = d == 0
+    q = nearest_int((x + dm) / torch.where(zero, torch.ones_like(d), d)).clamp(0, 15)
+    q = torch.where(zero, torch.zeros_like(q), q)
+    return (d * q - dm).reshape(weight.shape)
+
+
+def q4_k(weight: torch.Tensor) -> torch.Tensor:
+    """Q4_K round trip of a float32 matrix whose rows are a multiple of 256 long. [out, in] -> [out, in]"""
+    return q4_k_apply(weight, q4_k_grid(weight))
+
+
+def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
+    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`: the weighted (x^2) best scale per row. x [n, k] -> [n, 1]"""
+    idx = x.abs().argmax(1, keepdim=True)
+    peak = x.gather(1, idx)  # the signed value of largest magnitude (first one on ties)
+    empty = peak.abs() < _EPS
+    peak = torch.where(empty, torch.ones_like(peak), peak)
+    w = x * x
+
+    def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = nearest_int(iscale * x).clamp(-nmax, nmax - 1)
+        wq = w * x * q
+        return wq.sum(1, keepdim=True), (w * q * q).sum(1, keepdim=True)
+
+    sumlx, suml2 = sums(-nmax / peak)
+    scale = torch.where(suml2 != 0, sumlx / torch.where(suml2 != 0, suml2, torch.ones_like(suml2)),
+                        torch.zeros_like(sumlx))
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        sumlx, suml2 = sums(-(nmax + _f32(0.1) * step) / peak)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        new_scale = sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2))
+        scale = torch.where(better, new_scale, scale)
+        best = torch.where(better, scale * sumlx, best)
+    return torch.where(empty, torch.zeros_like(scale), scale)
+
+
+def q6_k_grid(weight: torch.Tensor) -> torch.Tensor:
+    """The Q6_K grid of a float32 matrix (rows a multiple of 256 long): the step d * sc_j of each
+    sub-block of 16, float32. [out, in] -> [blocks, 16, 1]"""
+    scales = _qx_scale(weight.reshape(-1, 16), nmax=32).reshape(-1, QK_K // 16)  # [super-blocks, 16]
+    idx = scales.abs().argmax(1, keepdim=True)
+    peak = scales.gather(1, idx)
+    empty = peak.abs() < _EPS
+    iscale = -128.0 / torch.where(empty, torch.ones_like(peak), peak)
+    sc = nearest_int(iscale * scales).clamp(max=127)
+    d = fp16_round(1.0 / iscale) * sc
+    return torch.where(empty, torch.zeros_like(d), d).unsqueeze(-1)
+
+
+def q6_k_apply(weight: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """Round `weight` onto a Q6_K grid (codes q in [-32, 31], x ~ d * q) and dequantize. [out, in] -> [out, in]"""
+    x = weight.reshape(-1, QK_K // 16, 16)
+    zero = grid == 0
+    q = nearest_int(x / torch.where(zero, torch.ones_like(grid), grid)).clamp(-32, 31)
+    return torch.where(zero, torch.zeros_like(x), grid * q).reshape(weight.shape)
+
+
+def q6_k(weight: torch.Tensor) -> torch.Tensor:
+    """Q6_K round trip of a float32 matrix whose rows are a multiple of 256 long. [out, in] -> [out, in]"""
+    return q6_k_apply(weight, q6_k_grid(weight))

@@ -1,0 +1,265 @@
+"""Fake quantization for quantization-aware LaCo: each scheme equals what its exporter writes, the
+straight-through gradient, and QA-LaCo on tiny models (mask kept, quantized error, resume)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_laco import DATA, _cfg, _Killed, _weights
+
+import tiny
+from laco_deploy.compensate import fakequant, laco, losses, run
+from laco_deploy.config import PRUNABLE_LINEARS, ModelConfig
+from laco_deploy.data import calibration_samples
+from laco_deploy.models import decoder_layers, load_model
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def _pruned_matrix(rows: int = 96, cols: int = 512, seed: int = 0) -> torch.Tensor:
+    """Random weights with half of them +0.0 and one all-zero block of 32 (an all-pruned block)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen) * 0.05
+    w[w.abs() < w.abs().median()] = 0.0
+    w[3, 64:96] = 0.0
+    return w
+
+
+@pytest.mark.parametrize("scheme,qtype", [("q8_0", gguf.GGMLQuantizationType.Q8_0),
+                                          ("q5_0", gguf.GGMLQuantizationType.Q5_0)])
+def test_block_schemes_equal_gguf_quantizer_bit_for_bit(scheme, qtype):
+    w = _pruned_matrix()
+    ref = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), qtype), qtype)
+    assert np.array_equal(fakequant.fake_quantize(w, scheme).numpy(), ref)
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q5_0", "q6_k", "int8", "f16"])
+def test_symmetric_schemes_keep_zeros_zero(scheme):
+    w = _pruned_matrix()
+    q = fakequant.fake_quantize(w, scheme)
+    assert (q[w == 0] == 0).all()
+    assert (q[3, 64:96] == 0).all()
+
+
+def test_q4_k_offset_moves_zeros_but_not_all_zero_blocks():
+    """Q4_K is affine: a pruned weight runs as a small non-zero value, as in llama.cpp; a block
+    that is entirely zero stays zero."""
+    w = _pruned_matrix()
+    w[5, :256] = 0.0  # one whole super-block
+    q = fakequant.fake_quantize(w, "q4_k")
+    assert (q[5, :256] == 0).all()
+    assert (q[w == 0] != 0).float().mean() > 0.1
+    assert (q - w).abs().max() < 0.05 * 0.5  # within half a step of a 4-bit grid over +-4 sigma
+
+
+def _onnx_matmul(k: int, n: int, weight: np.ndarray):
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              [numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+
+
+@pytest.mark.parametrize("k", [512, 80])
+def test_int8_equals_onnx_exporter_quantization(k):
+    """exporters.onnx's own int8 pass (MatMulNBits, 8 bits, blocks of 32), read back and dequantized."""
+    from onnx import numpy_helper
+
+    from exporters.onnx import _quantize_int8
+
+    w = _pruned_matrix(48, k)  # HF layout [out, in]; the ONNX MatMul weight is its transpose [K, N]
+    proto = _quantize_int8(_onnx_matmul(k, 48, w.T.contiguous().numpy()), [])
+    node = next(n for n in proto.graph.node if n.op_type == "MatMulNBits")
+    inits = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    codes, scales = inits[node.input[1]], inits[node.input[2]].reshape(48, -1)
+    assert len(node.input) == 3  # symmetric: no zero points
+    deq = (codes.reshape(48, scales.shape[1], 32).astype(np.float32) - 128) * scales[:, :, None]
+    ref = deq.reshape(48, -1)[:, :k]
+    assert np.array_equal(fakequant.fake_quantize(w, "int8").numpy(), ref)
+
+
+@pytest.fixture(scope="module")
+def kquant_model_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """8 layers of width 256 (rows fit Q4_K/Q6_K super-blocks), half of the weights pruned."""
+    model = tiny.build_model(tiny.llama_config(layers=8, hidden=256))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p[p.abs() < p.abs().median()] = 0.0
+    return tiny.save_tiny(model, bpe_tokenizer, tmp_path_factory.mktemp("kquant"))
+
+
+def _exported_vs_fake(model_dir: Path, out: Path, quant: str):
+    """(GGUF name, llama.cpp type, our scheme, llama.cpp's dequantized values, our fake quantization)
+    for every prunable linear of a GGUF export of `model_dir`."""
+    pytest.importorskip("llama_cpp")
+    from exporters import gguf as gguf_export
+    from exporters import gguf_model
+
+    gguf_export.export(model_dir, out, quant)
+    plan = gguf_model.plan_model(gguf_model.read_config(model_dir))
+    f32 = dict(gguf_model.iter_tensors(model_dir, plan))  # the F32 tensors llama.cpp quantized
+    rows = []
+    for t in gguf.GGUFReader(str(out)).tensors:
+        parts = t.name.split(".")
+        if parts[0] != "blk" or parts[2] not in GGUF_NAMES:
+            continue
+        w = torch.from_numpy(np.ascontiguousarray(f32[t.name]))
+        scheme = fakequant.tensor_scheme(quant, GGUF_NAMES[parts[2]], int(parts[1]), plan.n_layers, w.shape[1])
+        rows.append((t.name, t.tensor_type.name.lower(), scheme, gguf.quants.dequantize(t.data, t.tensor_type),
+                     fakequant.fake_quantize(w, scheme).numpy(), w.numpy()))
+    return rows
+
+
+def test_q4_k_m_matches_llama_cpp_quantizer(kquant_model_dir, tmp_path):
+    """Per-tensor types equal llama.cpp's Q4_K_M choice; values equal its k-quants up to the rare
+    near-ties that float summation order decides (bound measured: ~1% of values, 0.5% of the error)."""
+    rows = _exported_vs_fake(kquant_model_dir, tmp_path / "m.gguf", "q4_k_m")
+    assert {r[1] for r in rows} == {"q4_k", "q6_k"}
+    stats: dict[str, list[float]] = {}
+    for name, ltype, scheme, ref, mine, w in rows:
+        assert ltype == scheme, name
+        s = stats.setdefault(scheme, [0, 0, 0.0, 0.0])
+        s[0] += int((mine != ref).sum())
+        s[1] += mine.size
+        s[2] += float(np.abs(mine - ref).sum())
+        s[3] += float(np.abs(w - ref).sum())
+    for scheme, (differing, n, diff, qerr) in stats.items():
+        assert differing / n < 0.03, scheme
+        assert diff / qerr < 0.02, scheme
+
+
+def test_q4_k_m_fallbacks_match_llama_cpp_bit_for_bit(tiny_llama_dir, tmp_path):
+    """Rows of 64/128 fit no 256 super-block: llama.cpp falls back to Q5_0 (and Q8_0 for Q6_K)."""
+    rows = _exported_vs_fake(tiny_llama_dir, tmp_path / "m.gguf", "q4_k_m")
+    assert {r[2] for r in rows} == {"q5_0", "q8_0"}
+    for name, ltype, scheme, ref, mine, _w in rows:
+        assert ltype == scheme and np.array_equal(mine, ref), name
+
+
+def test_tensor_scheme_for_smollm2_shapes():
+    """SmolLM2-135M: 30 layers, rows of 576 (attention, gate/up) and 1536 (down)."""
+    more = [i for i in range(30) if fakequant.use_more_bits(i, 30)]
+    assert more == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert fakequant.tensor_scheme("q4_k_m", "mlp.down_proj", 5, 30, 1536) == "q6_k"
+    assert fakequant.tensor_scheme("q4_k_m", "mlp.down_proj", 6, 30, 1536) == "q4_k"
+    assert fakequant.tensor_scheme("q4_k_m", "self_attn.v_proj", 0, 30, 576) == "q8_0"
+    assert fakequant.tensor_scheme("q4_k_m", "self_attn.q_proj", 0, 30, 576) == "q5_0"
+    assert fakequant.tensor_scheme("q8_0", "mlp.up_proj", 3, 30, 576) == "q8_0"
+    assert fakequant.tensor_scheme("q8_0", "mlp.up_proj", 3, 30, 100) == "f16"
+    assert fakequant.tensor_scheme("int8", "mlp.up_proj", 3, 30, 100) == "int8"
+
+
+def test_straight_through_forward_and_gradient():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 8)
+    lin.weight.data = _pruned_matrix(8, 256)
+    x = torch.randn(4, 256)
+    wq = fakequant.fake_quantize(lin.weight, "q4_k")
+    with fakequant.fake_quantized([torch.nn.ModuleDict({"q_proj": lin})], "q4_k", ("q_proj",)) as schemes:
+        assert schemes == {"0.q_proj": "q4_k"}
+        y = lin(x)
+        assert torch.equal(y, F.linear(x, wq, lin.bias))
+        y.square().sum().backward()
+    leaf = wq.clone().requires_grad_(True)
+    F.linear(x, leaf, lin.bias).square().sum().backward()
+    assert torch.equal(lin.weight.grad, leaf.grad)  # d/dW passes straight through the rounding
+    assert "forward" not in vars(lin)  # the plain Linear.forward is back
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_config_checks():
+    assert _cfg(quant_aware="q4_k_m").validate() == []
+    assert "not one of" in " ".join(_cfg(quant_aware="q3_k").validate())
+    assert "--trainable weights" in " ".join(_cfg(quant_aware="q8_0", trainable="channel").validate())
+    assert "--method laco" in " ".join(_cfg(quant_aware="q8_0", method="lora").validate())
+
+
+@pytest.fixture(scope="module")
+def kquant_sparse_dir(tmp_path_factory, bpe_tokenizer) -> tuple[Path, Path]:
+    """A 2-layer width-256 Llama (Q4_K applies to every linear) with 1% outlier weights, so that
+    4-bit blocks cost a visible share of the layer error, and its 50% magnitude-pruned copy."""
+    from compensate_sparse import make_unstructured
+
+    root = tmp_path_factory.mktemp("qa")
+    model = tiny.build_model(tiny.llama_config(hidden=256))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p[torch.rand(p.shape, generator=gen) < 0.01] *= 8
+    dense = tiny.save_tiny(model, bpe_tokenizer, root / "dense")
+    return dense, make_unstructured(dense, root / "sparse")
+
+
+def test_qa_laco_keeps_the_mask(kquant_sparse_dir, tmp_path):
+    dense, sparse = kquant_sparse_dir
+    res = run(ModelConfig(model=str(dense)), DATA, _cfg(epochs=2, quant_aware="q4_k"), sparse, tmp_path / "out")
+    a, b = _weights(sparse), _weights(tmp_path / "out")
+    for k in a:
+        if k.endswith("proj.weight"):
+            assert torch.equal(a[k] == 0, b[k] == 0), k
+            assert not torch.signbit(b[k][b[k] == 0]).any(), k
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+    assert res.settings["compensate"]["quant_aware"] == "q4_k"
+
+
+def _layer0_error(dense_dir: Path, cand_dir: Path, quant_aware: str | None, ids: torch.Tensor) -> float:
+    """nmse of decoder layer 0's output (both models see the same embeddings) against the dense
+    layer's, with the candidate's linears fake-quantized as `quant_aware`."""
+    outs = []
+    for path, qa in ((dense_dir, None), (cand_dir, quant_aware)):
+        model = load_model(str(path)).model
+        caught: list[torch.Tensor] = []
+        handle = decoder_layers(model)[0].register_forward_hook(
+            lambda _m, _a, out: caught.append(out[0] if isinstance(out, tuple) else out))
+        with torch.no_grad(), fakequant.fake_quantized(decoder_layers(model), qa, PRUNABLE_LINEARS):
+            model(ids)
+        handle.remove()
+        outs.append(caught[0])
+    return float(losses.nmse(outs[1], outs[0]))
+
+
+def test_qa_laco_lowers_the_quantized_layer_error_more_than_plain_laco(kquant_sparse_dir, tmp_path):
+    """On the calibration samples both fit (no held-out split), QA-LaCo ends with the lower layer
+    error when the layer runs quantized, plain LaCo with the lower error in float."""
+    dense, sparse = kquant_sparse_dir
+    mcfg = ModelConfig(model=str(dense))
+    run(mcfg, DATA, _cfg(epochs=4, val_fraction=0.0), sparse, tmp_path / "plain")
+    res = run(mcfg, DATA, _cfg(epochs=4, val_fraction=0.0, quant_aware="q4_k"), sparse, tmp_path / "qa")
+    ids = calibration_samples(load_model(str(dense)).tokenizer, DATA.calib, DATA.samples, DATA.seqlen, DATA.seed)
+    quantized = {k: _layer0_error(dense, d, "q4_k", ids) for k, d in
+                 (("pruned", sparse), ("plain", tmp_path / "plain"), ("qa", tmp_path / "qa"))}
+    assert quantized["qa"] < quantized["plain"] < quantized["pruned"]
+    assert res.per_layer[0]["nmse_after"] == pytest.approx(quantized["qa"], rel=1e-3)  # the trainer's own measure
+    assert _layer0_error(dense, tmp_path / "plain", None, ids) < _layer0_error(dense, tmp_path / "qa", None, ids)
+
+
+def test_qa_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
+    mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=2, quant_aware="q4_k_m")
+    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "full")
+    real_fit = laco.LayerTrainer.fit
+
+    def fit_then_die(self, *a, **kw):
+        if self.seed == DATA.seed + 1:  # layer 1: layer 0 is already checkpointed
+            raise _Killed("simulated kill")
+        return real_fit(self, *a, **kw)
+
+    monkeypatch.setattr(laco.LayerTrainer, "fit", fit_then_die)
+    with pytest.raises(_Killed):
+        run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed")
+    monkeypatch.setattr(laco.LayerTrainer, "fit", real_fit)
+    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed", resume=True)
+    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
+    assert full.keys() == resumed.keys()
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
