@@ -42,10 +42,12 @@ class DataConfig:
     """Calibration and evaluation text and how it becomes token samples."""
 
     calib: str = "builtin"  # builtin | file.txt | file.jsonl | hf:NAME[:CONFIG][:SPLIT]
-    eval: str = "builtin"
+    # evaluation texts, comma-separated; "domains" = builtin (in-domain Wikipedia) + every shipped
+    # out-of-domain text (fiction, techdoc, code), so reports show whether recovery transfers
+    eval: str = "domains"
     samples: int = 64  # calibration samples (the paper uses 2048 on a GPU)
     seqlen: int = 256  # tokens per sample
-    eval_samples: int = 32  # evaluation windows of `seqlen` tokens
+    eval_samples: int = 16  # evaluation windows of `seqlen` tokens, per evaluation domain
     seed: int = 0
 
     def validate(self) -> list[str]:
@@ -195,13 +197,6 @@ class CompensateConfig:
             errs.append(f"--anchor-decay {self.anchor_decay} must be >= 0")
         if not 0.0 <= self.dense_input_mix <= 1.0:
             errs.append(f"--dense-input-mix {self.dense_input_mix} must be in [0, 1]")
-        if self.quant_aware is not None and self.quant_aware not in QUANT_AWARE:
-            errs.append(f"--quant-aware {self.quant_aware!r} is not one of {', '.join(QUANT_AWARE)}")
-        if self.quant_aware is not None and self.method != "laco":
-            errs.append(f"--quant-aware applies to --method laco, not {self.method!r}")
-        if self.quant_aware is not None and self.trainable != "weights":
-            errs.append(f"--quant-aware trains the weights the exporter quantizes; it needs --trainable weights, "
-                        f"not {self.trainable!r}")
         return errs
 
 

@@ -172,6 +172,7 @@ class BuildRecipe:
 
     def bench(self, exported: dict[str, Output]) -> None:
         """The exported models on their runtime, side by side (bench.json)."""
+        from laco_deploy.data import eval_specs
         from laco_deploy.fsutil import write_json
 
         cfg, target = self.cfg, self.target
@@ -183,7 +184,9 @@ class BuildRecipe:
         settings = {"bench": to_dict(cfg.bench), "eval": cfg.data.eval}
 
         def run():
-            result = target.run_benchmark(models, eval_spec=cfg.data.eval, cfg=cfg.bench,
+            # runtime perplexity on the first evaluation text (in-domain builtin by default); the
+            # fidelity stage covers every domain
+            result = target.run_benchmark(models, eval_spec=eval_specs(cfg.data.eval)[0], cfg=cfg.bench,
                                           device=target.runtime_device(self.device))
             write_json(out, result.to_dict())
             return result

@@ -20,7 +20,7 @@ import torch
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import TorchRunner, open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
-from laco_deploy.data import evaluation_windows
+from laco_deploy.data import eval_domains, evaluation_windows
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
@@ -52,10 +52,31 @@ class FidelityResult(Artifact):
     schema_version: int = SCHEMA_VERSION
 
 
+class _DomainSums:
+    """Sums of one candidate over the windows of one evaluation domain."""
+
+    def __init__(self) -> None:
+        self.kl_sum = self.nll_sum = 0.0
+        self.top1 = self.tokens = self.nll_count = 0
+
+    def add(self, kl: torch.Tensor, agree: torch.Tensor, nll: torch.Tensor) -> None:
+        self.kl_sum += kl.sum().item()
+        self.top1 += int(agree.sum())
+        self.tokens += kl.numel()
+        self.nll_sum += nll.sum().item()
+        self.nll_count += nll.numel()
+
+    def metrics(self, dense_ppl: float) -> dict[str, Any]:
+        ppl = M.perplexity(self.nll_sum, self.nll_count)
+        return {"ppl": ppl, "ppl_ratio": ppl / dense_ppl, "kl_mean": self.kl_sum / self.tokens,
+                "top1": self.top1 / self.tokens, "tokens_scored": self.nll_count}
+
+
 class _Stats:
     """Running per-candidate sums over windows; only per-token KL (one float each) is kept."""
 
     def __init__(self, runtime: str, curves: LayerCurves | None):
+        self.domains: dict[str, _DomainSums] = {}
         self.runtime = runtime
         self.kl: list[torch.Tensor] = []
         self.top1 = 0
@@ -66,17 +87,19 @@ class _Stats:
         self.curves = curves
         self.per_window: list[dict[str, float]] = []
 
-    def add(self, dense: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor) -> None:
-        """One window: dense and candidate logits [seq, vocab], ids [seq]."""
+    def add(self, dense: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor, domain: str) -> None:
+        """One window of `domain`: dense and candidate logits [seq, vocab], ids [seq]."""
         cmp = M.compare_logits(dense, cand, ids)
         kl, agree, nll = cmp["kl"], cmp["top1"], cmp["nll"]
+        self.domains.setdefault(domain, _DomainSums()).add(kl, agree, nll)
         self.kl.append(kl.float())
         self.top1 += int(agree.sum())
         self.delta_sum += cmp["p_top_delta"].sum().item()
         self.tokens += kl.numel()
         self.nll_sum += nll.sum().item()
         self.nll_count += nll.numel()
-        self.per_window.append({"kl_mean": kl.mean().item(), "top1": agree.float().mean().item(), "nll_mean": nll.mean().item()})
+        self.per_window.append({"domain": domain, "kl_mean": kl.mean().item(), "top1": agree.float().mean().item(),
+                                "nll_mean": nll.mean().item()})
 
     def metrics(self, dense_ppl: float) -> dict[str, Any]:
         kl = torch.cat(self.kl)
@@ -113,12 +136,16 @@ def run(
     zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None  # a bad task fails before any model loads
     device = device if device is not None else resolve_device(model_cfg.device)
     loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code)
-    windows = evaluation_windows(loaded.tokenizer, data_cfg.eval, data_cfg.eval_samples, data_cfg.seqlen)
+    domains = eval_domains(data_cfg.eval)
+    per_domain = {label: evaluation_windows(loaded.tokenizer, spec, data_cfg.eval_samples, data_cfg.seqlen)
+                  for label, spec in domains}
+    windows = torch.cat(list(per_domain.values()))  # [n_windows, seqlen], domain after domain
+    window_domain = [label for label, w in per_domain.items() for _ in range(w.shape[0])]
     dense = TorchRunner(loaded.model, device)
     runners = {label: open_runner(path, device=device, threads=fid_cfg.threads) for label, path in candidates.items()}
     notes: list[str] = []
     stats = {label: _Stats(r.name, _curves_for(label, r, dense.model, fid_cfg, notes)) for label, r in runners.items()}
-    dense_nll = _evaluate(windows, dense, runners, stats, device)
+    dense_nll, dense_by_domain = _evaluate(windows, window_domain, dense, runners, stats, device)
     zeroshot = None
     if zs_tasks is not None:
         from laco_deploy.fidelity.zeroshot import evaluate_runners
@@ -126,16 +153,21 @@ def run(
         zeroshot = evaluate_runners(zs_tasks, fid_cfg, loaded.tokenizer, dense.model, runners)
     del runners
     dense_ppl = M.perplexity(*dense_nll)
-    cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl) for label in candidates}
+    dense_domain_ppl = {d: M.perplexity(*sums) for d, sums in dense_by_domain.items()}
+    cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl, dense_domain_ppl)
+                for label in candidates}
     gates = evaluate_gates(fid_cfg, {label: c["metrics"] for label, c in cand_out.items()})
     report_dir = Path(report_dir)
     result = FidelityResult(
         dense={"model": model_cfg.model, "path": str(loaded.path), "sha256": input_hash(loaded.path),
-               "ppl": dense_ppl, "nll_mean": dense_nll[0] / dense_nll[1], "tokens_scored": dense_nll[1]},
+               "ppl": dense_ppl, "nll_mean": dense_nll[0] / dense_nll[1], "tokens_scored": dense_nll[1],
+               "domains": {d: {"ppl": dense_domain_ppl[d], "tokens_scored": dense_by_domain[d][1]} for d in per_domain}},
         candidates=cand_out,
         gates=gates,
         passed=all(g["passed"] for g in gates),
         settings={"eval": data_cfg.eval, "eval_samples": data_cfg.eval_samples, "windows": int(windows.shape[0]),
+                  "domains": [{"label": label, "spec": spec, "windows": int(per_domain[label].shape[0]),
+                               "in_domain": spec == data_cfg.calib} for label, spec in domains],
                   "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(windows), "device": str(device),
                   "fidelity": to_dict(fid_cfg), "model": to_dict(model_cfg)},
         versions=versions(),
@@ -162,19 +194,23 @@ def _curves_for(label: str, runner, dense_model, fid_cfg: FidelityConfig, notes:
     return LayerCurves(n_dense)
 
 
-def _evaluate(windows: torch.Tensor, dense: TorchRunner, runners: dict, stats: dict[str, _Stats],
-              device: torch.device) -> tuple[float, int]:
-    """Window by window: dense forward once, every candidate compared with it. Returns dense (NLL sum, count)."""
+def _evaluate(windows: torch.Tensor, window_domain: list[str], dense: TorchRunner, runners: dict,
+              stats: dict[str, _Stats], device: torch.device) -> tuple[tuple[float, int], dict[str, tuple[float, int]]]:
+    """Window by window: dense forward once, every candidate compared with it.
+    Returns the dense (NLL sum, count) over all windows and per domain."""
     need_layers = any(s.curves is not None for s in stats.values())
     nll_sum, nll_count = 0.0, 0
+    by_domain: dict[str, tuple[float, int]] = {}
     for w in progress_bar(range(windows.shape[0]), desc="fidelity", unit="window"):
-        ids = windows[w]
+        ids, domain = windows[w], window_domain[w]
         if need_layers:
             d_logits, d_hidden = forward_with_layers(dense.model, ids, device)
         else:
             d_logits, d_hidden = dense.logits(ids), None
         nll = M.next_token_nll(d_logits, ids)
         nll_sum, nll_count = nll_sum + nll.sum().item(), nll_count + nll.numel()
+        d_sum, d_count = by_domain.get(domain, (0.0, 0))
+        by_domain[domain] = (d_sum + nll.sum().item(), d_count + nll.numel())
         for label, runner in runners.items():
             st = stats[label]
             if st.curves is not None:
@@ -183,8 +219,8 @@ def _evaluate(windows: torch.Tensor, dense: TorchRunner, runners: dict, stats: d
             else:
                 c_logits = _runner_logits(label, runner, ids)
             _check_logits(label, c_logits, d_logits, w)
-            st.add(d_logits, c_logits, ids)
-    return nll_sum, nll_count
+            st.add(d_logits, c_logits, ids, domain)
+    return (nll_sum, nll_count), by_domain
 
 
 def _runner_logits(label: str, runner, ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +242,8 @@ def _check_logits(label: str, cand: torch.Tensor, dense: torch.Tensor, window: i
                                   "the model or its export is broken (try a wider weight type, e.g. fp32 or q8_0)")
 
 
-def _candidate_record(label: str, path: str | Path, st: _Stats, dense_ppl: float) -> dict[str, Any]:
+def _candidate_record(label: str, path: str | Path, st: _Stats, dense_ppl: float,
+                      dense_domain_ppl: dict[str, float]) -> dict[str, Any]:
     kl = torch.cat(st.kl).double()
     q = torch.linspace(0, 1, 101, dtype=torch.float64)
     return {
@@ -214,6 +251,7 @@ def _candidate_record(label: str, path: str | Path, st: _Stats, dense_ppl: float
         "runtime": st.runtime,
         "sha256": input_hash(Path(path)),
         "metrics": st.metrics(dense_ppl),
+        "domains": {d: sums.metrics(dense_domain_ppl[d]) for d, sums in st.domains.items()},
         "kl_quantiles": {"q": q.tolist(), "value": torch.quantile(kl, q).tolist()},
         "kl_histogram": M.log_histogram(kl),
         "per_layer": st.curves.to_list() if st.curves is not None else None,

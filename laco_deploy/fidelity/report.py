@@ -70,6 +70,34 @@ def table_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def domain_rows(data: dict[str, Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """Perplexity, KL mean and top-1 per evaluation domain: (header, rows), the dense model first.
+    Empty when only one domain was evaluated (the main table says it all)."""
+    domains = list(data["dense"].get("domains") or {})
+    if len(domains) < 2:
+        return (), []
+    inside = {d["label"] for d in data["settings"].get("domains", []) if d.get("in_domain")}
+    names = [f"{d} ({'in-domain' if d in inside else 'out-of-domain'})" for d in domains]
+    head = ("model",) + tuple(f"{n} {m}" for n in names for m in ("ppl", "KL", "top-1"))
+    rows = [("dense",) + tuple(c for d in domains for c in (_f(data["dense"]["domains"][d]["ppl"], ".2f"), "0", "100.0%"))]
+    for label, c in data["candidates"].items():
+        per = c.get("domains") or {}
+        cells = []
+        for d in domains:
+            m = per.get(d)
+            cells += ([_f(m["ppl"], ".2f"), _f(m["kl_mean"], ".3g"), _f(100 * m["top1"], ".1f") + "%"] if m else ["-"] * 3)
+        rows.append((label,) + tuple(cells))
+    return head, rows
+
+
+def _domain_markdown(data: dict[str, Any]) -> list[str]:
+    head, rows = domain_rows(data)
+    if not rows:
+        return []
+    return ["", "Per evaluation domain (calibration text is in-domain; the others were never seen in calibration):", "",
+            "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def _setting_line(data: dict[str, Any]) -> str:
     s = data["settings"]
     return (f"dense `{data['dense']['model']}` · eval `{s['eval']}`: {s['windows']} windows × {s['seqlen']} tokens "
@@ -83,6 +111,7 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [f"### Fidelity vs dense model: {verdict if data['gates'] else 'no gates set'}", "",
              "| " + " | ".join(_HEAD) + " |", "|---|---|" + "---:|" * 8 + "---|"]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
+    lines += _domain_markdown(data)
     lines += ["", _setting_line(data)]
     lines += _zeroshot_markdown(data)
     if data["gates"]:
@@ -153,6 +182,10 @@ def html_page(data: dict[str, Any]) -> str:
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Fidelity report</title><style>{_CSS}</style></head><body>",
              f"<h1>Fidelity vs dense model</h1><p>{verdict}</p><p>{esc(_setting_line(data).replace('`', ''))}</p>",
              _html_table(_HEAD, table_rows(data), range(2, 10))]
+    d_head, d_rows = domain_rows(data)
+    if d_rows:
+        parts += ["<h2>Per evaluation domain</h2><p>The calibration text is in-domain; the others were never seen in calibration.</p>",
+                  _html_table(d_head, d_rows, range(1, len(d_head)))]
     if data["gates"]:
         parts.append("<ul>" + "".join(f"<li class='{'pass' if g['passed'] else 'fail'}'>{esc(gate_message(g))}</li>"
                                       for g in data["gates"]) + "</ul>")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import math
 import json
 import re
 from importlib import resources
@@ -17,7 +18,7 @@ from laco_deploy.errors import ModelError, RuntimeBackendError
 from laco_deploy.fidelity import FidelityResult, run
 from laco_deploy.fidelity import evaluate as fid_eval
 
-DATA = DataConfig(eval_samples=3, seqlen=48)
+DATA = DataConfig(eval="builtin", eval_samples=3, seqlen=48)
 
 
 def _run(dense: Path, candidates: dict, report: Path, fid: FidelityConfig | None = None) -> FidelityResult:
@@ -189,3 +190,35 @@ def test_other_depth_candidate_gets_a_note_instead_of_curves(trained_dir, tiny_l
     assert result.candidates["two_layers"]["per_layer"] is None
     assert any("two_layers" in n and "per-layer" in n for n in result.notes)
     assert "No PyTorch candidate" in (tmp_path / "fidelity.html").read_text()
+
+
+def test_every_domain_reported_side_by_side(trained_dir, perturbed_dirs, tmp_path):
+    """The default evaluation covers the in-domain builtin text and each shipped out-of-domain text;
+    per-domain sums add up to the pooled numbers, and the reports show one column group per domain."""
+    data = DataConfig(eval="domains", eval_samples=2, seqlen=48)
+    strong = perturbed_dirs[max(perturbed_dirs)]
+    result = run(ModelConfig(model=str(trained_dir), device="cpu"), data, FidelityConfig(), {"strong": strong}, tmp_path)
+    domains = [d["label"] for d in result.settings["domains"]]
+    assert domains[0] == "wikipedia" and {"fiction", "techdoc", "code"} <= set(domains)
+    assert [d["in_domain"] for d in result.settings["domains"]] == [True] + [False] * (len(domains) - 1)
+    per = result.candidates["strong"]["domains"]
+    assert set(per) == set(domains) == set(result.dense["domains"])
+    assert sum(m["tokens_scored"] for m in per.values()) == result.candidates["strong"]["metrics"]["tokens_scored"]
+    pooled_nll = sum(math.log(m["ppl"]) * m["tokens_scored"] for m in per.values()) / sum(m["tokens_scored"] for m in per.values())
+    assert math.exp(pooled_nll) == pytest.approx(result.candidates["strong"]["metrics"]["ppl"], rel=1e-9)
+    assert per["wikipedia"]["ppl_ratio"] > 1.0 and all(m["kl_mean"] > 0 for m in per.values())
+    assert len({round(m["ppl"], 6) for m in per.values()}) == len(per)  # distinct texts, distinct numbers
+    md = (tmp_path / "fidelity.md").read_text()
+    assert "fiction (out-of-domain) ppl" in md and "wikipedia (in-domain) ppl" in md
+    assert "Per evaluation domain" in (tmp_path / "fidelity.html").read_text()
+    _validate(tmp_path)
+
+
+def test_domain_texts_are_never_calibration():
+    from laco_deploy.data import load_texts
+    from laco_deploy.errors import DataError
+
+    with pytest.raises(DataError, match="evaluation-only"):
+        load_texts("builtin:fiction", "calib")
+    with pytest.raises(DataError, match="no builtin evaluation domain 'poetry'"):
+        load_texts("builtin:poetry", "eval")
