@@ -197,6 +197,13 @@ class CompensateConfig:
             errs.append(f"--anchor-decay {self.anchor_decay} must be >= 0")
         if not 0.0 <= self.dense_input_mix <= 1.0:
             errs.append(f"--dense-input-mix {self.dense_input_mix} must be in [0, 1]")
+        if self.quant_aware is not None and self.quant_aware not in QUANT_AWARE:
+            errs.append(f"--quant-aware {self.quant_aware!r} is not one of {', '.join(QUANT_AWARE)}")
+        if self.quant_aware is not None and self.method != "laco":
+            errs.append(f"--quant-aware applies to --method laco, not {self.method!r}")
+        if self.quant_aware is not None and self.trainable != "weights":
+            errs.append(f"--quant-aware trains the weights the exporter quantizes; it needs --trainable weights, "
+                        f"not {self.trainable!r}")
         return errs
 
 
