@@ -10,6 +10,12 @@ Row i with surviving inputs S has the solution w_S = (G_SS + damp I)^-1 (C_S,i +
 with G = sum x x^T and C = sum x y^T. Linears that share an input (q/k/v, gate/up) are solved
 together, then the layer is re-run so the next group sees the refit inputs (true-sequential).
 
+Structured (width-pruned) layers: a linear whose output rows were removed (q/k/v without their
+head groups, gate/up without their FFN channels) has no dense output to match row for row, so it
+keeps its pruned weights; down_proj and o_proj, which write the full hidden width, are refit from
+the smaller layer's activations: a closed-form warm start that restores what the removed channels
+and heads contributed (on average and in the directions calibration excites) before training.
+
 Why it transfers: the update of each row lies in the span of the calibration inputs, so on an
 input orthogonal to everything seen in calibration the refit linear behaves exactly like the
 pruned one; an Adam-trained layer moves in every direction. The ridge term keeps directions that
@@ -18,14 +24,14 @@ calibration barely excites close to the pruned weights.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from laco_deploy.engine.walk import LayerContext
 
-SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, k] in fp64
+SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, k]
+# The damped systems are well conditioned (ridge >= 1% of the mean input energy), so fp32 solves
+# suffice and take half the time of fp64; the statistics are summed in fp64.
+SOLVE_DTYPE = torch.float32
 
 # Linears whose output is added to the residual stream, and where that stream comes from: the
 # layer's input (attention block) or the input of the named norm (MLP block). Their target also
@@ -34,22 +40,33 @@ SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, 
 RESIDUAL_WRITERS = {"self_attn.o_proj": None, "mlp.down_proj": "post_attention_layernorm"}
 
 
-@contextlib.contextmanager
-def _capture(layer: torch.nn.Module, names: list[str], what: str) -> Iterator[dict[str, torch.Tensor]]:
-    """Record the input (`what="in"`) or output (`"out"`) of each named submodule on the next call."""
+class _Enough(Exception):
+    """Raised by a hook once everything asked for was caught: the rest of the layer need not run."""
+
+
+def _run_until(ctx: LayerContext, layer: torch.nn.Module, hidden: torch.Tensor, inputs: list[str],
+               outputs: list[str]) -> dict[str, torch.Tensor]:
+    """Run `layer` on `hidden` only as far as needed to catch the inputs of the modules named in
+    `inputs` and the outputs of those in `outputs`; returns name -> tensor (inputs keyed "in:NAME")."""
     caught: dict[str, torch.Tensor] = {}
-    handles = []
-    for name in names:
-        mod = layer.get_submodule(name)
-        if what == "in":
-            handles.append(mod.register_forward_pre_hook(lambda _m, args, n=name: caught.__setitem__(n, args[0])))
-        else:
-            handles.append(mod.register_forward_hook(lambda _m, _a, out, n=name: caught.__setitem__(n, out)))
+    wanted = len(inputs) + len(outputs)
+
+    def keep(key: str, value: torch.Tensor) -> None:
+        caught[key] = value
+        if len(caught) == wanted:
+            raise _Enough
+
+    handles = [layer.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: keep("in:" + n, args[0]))
+               for n in inputs]
+    handles += [layer.get_submodule(n).register_forward_hook(lambda _m, _a, out, n=n: keep(n, out)) for n in outputs]
     try:
-        yield caught
+        ctx.forward(layer, hidden)
+    except _Enough:
+        pass
     finally:
         for h in handles:
             h.remove()
+    return caught
 
 
 @torch.no_grad()
@@ -97,23 +114,24 @@ def _statistics(ctx: LayerContext, group: list[str], idx: torch.Tensor,
     norms = _residual_norms(ctx.layer, group)
     for chunk in idx.split(ctx.batch_size):
         h_s, h_d = ctx.inputs.data[chunk].to(ctx.device), ctx.dense_inputs.data[chunk].to(ctx.device)
-        with _capture(ctx.layer, group[:1], "in") as xin, _capture(ctx.layer, norms, "in") as res_s:
-            ctx.forward(ctx.layer, h_s)
-        with _capture(ctx.dense_layer, group, "out") as yout, _capture(ctx.dense_layer, norms, "in") as res_d:
-            ctx.forward(ctx.dense_layer, h_d)
-        yout = _targets(group, yout, res_s, res_d, h_s, h_d)
-        x = xin[group[0]].reshape(-1, xin[group[0]].shape[-1]).double()  # [tokens, in]
+        sparse = _run_until(ctx, ctx.layer, h_s, group[:1] + norms, [])
+        dense = _run_until(ctx, ctx.dense_layer, h_d, norms, group)
+        res_s = {n: sparse["in:" + n] for n in norms}
+        res_d = {n: dense["in:" + n] for n in norms}
+        yout = _targets(group, {n: dense[n] for n in group}, res_s, res_d, h_s, h_d)
+        x = sparse["in:" + group[0]].reshape(-1, sparse["in:" + group[0]].shape[-1]).float()  # [tokens, in]
         x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
         # weight each token by 1 / ||dense layer output||^2, as the nmse loss does, so a few
         # high-norm tokens (attention sinks) do not dominate the fit
         weight = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
         if token_weight == "nmse":
-            dense_out = ctx.dense_targets.data[chunk].reshape(x.shape[0], -1).to(ctx.device).double()
-            weight = 1.0 / dense_out.pow(2).mean(1).clamp_min(1e-12)  # [tokens]
-        g = x.T @ (x * weight[:, None])
+            dense_out = ctx.dense_targets.data[chunk].reshape(x.shape[0], -1).to(ctx.device)
+            weight = 1.0 / dense_out.pow(2).mean(1).clamp_min(1e-12).float()  # [tokens]
+        # per-chunk products in fp32 (fast), summed over chunks in fp64 (no drift over many tokens)
+        g = (x.T @ (x * weight[:, None])).double()
         gram = g if gram is None else gram + g
         for n in group:
-            c = x.T @ (yout[n].reshape(-1, yout[n].shape[-1]).double() * weight[:, None])  # [in + 1, out]
+            c = (x.T @ (yout[n].reshape(-1, yout[n].shape[-1]).float() * weight[:, None])).double()  # [in + 1, out]
             cross[n] = c if cross[n] is None else cross[n] + c
     return gram, cross
 
@@ -128,20 +146,21 @@ def _spd_solve(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _solve_rows(gram: torch.Tensor, cross: torch.Tensor, w0: torch.Tensor, mask: torch.Tensor,
                 damp: float) -> torch.Tensor:
-    """Masked ridge solution row by row. gram [k, k], cross [k, out], w0/mask [out, k] -> W [out, k] (fp64).
+    """Masked ridge solution row by row. gram [k, k], cross [k, out], w0/mask [out, k] -> W [out, k].
 
     When every row keeps the same number of inputs (per-row unstructured, N:M, structured), each
     row's system is gathered down to its surviving inputs; otherwise the dropped inputs get an
     identity block, which makes their solution exactly 0. Rows go in chunks to bound memory."""
     lam = damp * float(gram.diagonal().mean())
-    out = torch.zeros(w0.shape, dtype=torch.float64, device=w0.device)
+    gram, cross = gram.to(SOLVE_DTYPE), cross.to(SOLVE_DTYPE)
+    out = torch.zeros(w0.shape, dtype=SOLVE_DTYPE, device=w0.device)
     counts = mask.sum(1)
     kept = int(counts[0])
     same = bool((counts == kept).all())
     size = kept if same else gram.shape[0]
-    rows = max(1, min(w0.shape[0], SYSTEM_BYTES // (8 * size * size)))
+    rows = max(1, min(w0.shape[0], SYSTEM_BYTES // (gram.element_size() * size * size)))
     for start in range(0, w0.shape[0], rows):
-        m, w = mask[start:start + rows], w0[start:start + rows].double()
+        m, w = mask[start:start + rows], w0[start:start + rows].to(SOLVE_DTYPE)
         c = cross[:, start:start + rows].T  # [r, k]
         if same:
             idx = m.nonzero()[:, 1].view(m.shape[0], kept)  # surviving input indices per row, sorted
@@ -156,12 +175,19 @@ def _solve_rows(gram: torch.Tensor, cross: torch.Tensor, w0: torch.Tensor, mask:
     return out
 
 
+def supervised(ctx: LayerContext, names: list[str]) -> list[str]:
+    """The linears whose output is as wide as the dense twin's, so the dense output is their target
+    (all of them, unless structured pruning removed output rows)."""
+    return [n for n in names
+            if ctx.layer.get_submodule(n).out_features == ctx.dense_layer.get_submodule(n).out_features]
+
+
 @torch.no_grad()
 def refit_layer(ctx: LayerContext, masks: dict[str, torch.Tensor], idx: torch.Tensor, damp: float,
                 token_weight: str = "none") -> None:
     """Refit the surviving weights (and biases) of the layer's masked linears in place, group by group,
     on the calibration samples `idx`. The masks are kept: dropped weights stay +0.0."""
-    for group in linear_groups(ctx, list(masks)):
+    for group in linear_groups(ctx, supervised(ctx, list(masks))):
         gram, cross = _statistics(ctx, group, idx, token_weight)
         for name in group:
             lin = ctx.layer.get_submodule(name)
