@@ -25,7 +25,8 @@ import yaml
 from laco_deploy.buildconfig import merge
 from laco_deploy.fsutil import write_json
 from laco_deploy.models import local_model_dir
-from laco_deploy.pipeline import build, package_versions
+from laco_deploy.pipeline import build
+from laco_deploy.versions import package_versions
 
 SUITES = Path(__file__).parent / "suites"
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import gguf
 
+from laco_deploy import families
+
 # ---- architectures -------------------------------------------------------------------------
 
 
@@ -37,7 +39,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Qwen2 / Qwen2.5: arch `qwen2`, q/k/v biases (attn_q.bias ...), NEOX RoPE, usually untied.
     "Qwen2ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+MODEL_TYPES = families.MODEL_TYPES  # config.json model_type -> the class above (laco_deploy/families.py)
 
 # Structured-pruned models whose layers differ in FFN width or head count. llama.cpp's `llama`
 # loader sizes every layer from layer 0's counts; `deci` (DeciLM / Nemotron-NAS) reads

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from laco_deploy import families
 from laco_deploy.artifacts import ExportResult
 from laco_deploy.errors import ExportError, LacoError
 from laco_deploy.fsutil import atomic_dir
@@ -80,8 +81,6 @@ def model_bytes(folder: Path) -> int:
 
 
 def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
-    from laco_deploy.models import SUPPORTED_ARCHITECTURES
-
     if quant not in ONNX.quant_types:
         raise ExportError(f"ONNX type {quant!r} is not supported; choose one of {', '.join(ONNX.quant_types)} (--quant)")
     cfg_file = model_dir / "config.json"
@@ -92,9 +91,9 @@ def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
     except json.JSONDecodeError as e:
         raise ExportError(f"{cfg_file} is not valid JSON ({e.msg}); re-save the model") from e
     archs = raw.get("architectures") or [raw.get("model_type")]
-    if not any(a in SUPPORTED_ARCHITECTURES or a in SUPPORTED_ARCHITECTURES.values() for a in archs):
+    if not any(a in families.ARCHITECTURES or a in families.MODEL_TYPES for a in archs):
         raise ExportError(f"cannot export architecture {', '.join(map(str, archs))} to ONNX; supported: "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)}: pass a model of one of these families")
+                          f"{', '.join(families.ARCHITECTURES)}: pass a model of one of these families")
     if out_dir.is_file():
         raise ExportError(f"--out {out_dir} is a file; the ONNX export writes a folder: pass a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MODEL_FILE).is_file():

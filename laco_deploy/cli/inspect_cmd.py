@@ -6,10 +6,11 @@ import time
 
 from laco_deploy.cli import app
 from laco_deploy.cli.common import AllowPickleOpt, ModelOpt, console, model_config
+from laco_deploy.config import DEFAULT_MODEL
 
 
 @app.command("inspect")
-def inspect_model(model: ModelOpt = "default", allow_pickle: AllowPickleOpt = False) -> None:
+def inspect_model(model: ModelOpt = DEFAULT_MODEL, allow_pickle: AllowPickleOpt = False) -> None:
     """Load a model and print its architecture, size and where it is cached.
 
     The first load of `default` or of a .gguf file dequantizes it into the cache

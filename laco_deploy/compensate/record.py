@@ -6,20 +6,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from laco_deploy.artifacts import ModelDirResult
+from laco_deploy.artifacts import ModelDirResult, pattern_label
 from laco_deploy.config import CompensateConfig, to_dict
 from laco_deploy.throughput import throughput_record
 
 MIB = 2**20
-
-
-def pattern_label(info: dict[str, Any]) -> str:
-    """"unstructured 50%", "2:4", "structured 30%" from the pruned config's `laco_deploy` dict."""
-    pattern = info.get("pattern")
-    target = info.get("target_sparsity", info.get("sparsity"))
-    if pattern in ("unstructured", "structured") and target is not None:
-        return f"{pattern} {float(target):.0%}"
-    return str(pattern or "unknown")
 
 
 def config_summary(info: dict[str, Any], cfg: CompensateConfig, budget, sparsity: float) -> dict[str, Any]:
@@ -102,6 +93,6 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
                 "sparsity_before": before["sparsity"], "device": str(device), "throughput": speed}
     if lora_record:
         settings["lora"] = lora_record
-    return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info),
+    return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info.get("pattern"), info.get("target_sparsity", info.get("sparsity"))),
                           settings=settings, per_layer=records, wall_s=round(wall, 3), peak_mib=mem["peak_mib"],
                           memory_kind=mem["memory_kind"], notes=notes)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy.artifacts import ModelDirResult
+from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.compensate import laco, lora
 from laco_deploy.compensate.budget import Budget, resolve_budget
 from laco_deploy.compensate.masks import dense_numel, model_sparsity
@@ -28,11 +28,6 @@ from laco_deploy.models import load_model, resolve_device, save_model
 from laco_deploy.throughput import matmul_gflops
 
 log = logging.getLogger(__name__)
-SPARSITY_FILE = "sparsity.json"
-
-
-def checkpoint_dir(out_dir: Path) -> Path:
-    return Path(out_dir).with_name(Path(out_dir).name + ".ckpt")
 
 
 def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path) -> None:

@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
-import platform
 from pathlib import Path
 
 import torch
 
-from laco_deploy import __version__
 from laco_deploy.fsutil import sha256_tree
-
-_DISTRIBUTIONS = ("transformers", "onnxruntime", "onnxruntime-gpu", "llama-cpp-python", "gguf", "numpy", "matplotlib",
-                  "lm_eval")
-
-
-def versions() -> dict[str, str]:
-    """Versions of Python, laco-deploy, torch and the runtimes that are installed."""
-    out = {"python": platform.python_version(), "laco_deploy": __version__, "torch": torch.__version__}
-    for dist in _DISTRIBUTIONS:
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return out
+from laco_deploy.versions import package_versions as versions  # noqa: F401  (the one collector)
 
 
 def input_hash(path: Path | None) -> str | None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from laco_deploy.artifacts import pattern_label
 from laco_deploy.config import PruneConfig, to_dict
-
-SPARSITY_FILE = "sparsity.json"
 
 
 def pattern_kind(cfg: PruneConfig) -> str:
@@ -16,13 +15,9 @@ def pattern_kind(cfg: PruneConfig) -> str:
     return cfg.pattern or "unstructured"
 
 
-def pattern_label(cfg: PruneConfig) -> str:
-    """Human label: "unstructured 50%", "2:4", "structured 30%" (OWL noted)."""
-    if cfg.structured is not None:
-        return f"structured {cfg.structured:.0%}"
-    if cfg.pattern:
-        return cfg.pattern
-    return f"unstructured {cfg.sparsity:.0%}" + (" (OWL)" if cfg.owl else "")
+def label(cfg: PruneConfig) -> str:
+    """The human label of the pattern `cfg` asks for (artifacts.pattern_label)."""
+    return pattern_label(pattern_kind(cfg), cfg.structured if cfg.structured is not None else cfg.sparsity, owl=cfg.owl)
 
 
 def summarize(records: list[dict], dense_params: dict[str, int] | None = None) -> dict[str, Any]:
@@ -53,7 +48,7 @@ def sparsity_document(cfg: PruneConfig, records: list[dict], overall: dict[str, 
         "stage": "prune",
         "method": cfg.method,
         "pattern": pattern_kind(cfg),
-        "label": pattern_label(cfg),
+        "label": label(cfg),
         "settings": to_dict(cfg),
         "calibration": data,
         "overall": overall,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy.artifacts import ModelDirResult
+from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.config import (
     PRUNABLE_LINEARS,
     DataConfig,
@@ -29,23 +29,18 @@ from laco_deploy.engine import LazyModel, Paths, capture_layer_inputs, walk_laye
 from laco_deploy.errors import ConfigError
 from laco_deploy.memory import measure
 from laco_deploy.models import (
+    HUB,
     check_architecture,
-    ensure_default_converted,
-    ensure_gguf_converted,
     linear_modules,
     load_model,
+    local_dir,
     resolve_device,
+    resolve_source,
     save_model,
 )
 from laco_deploy.prune import owl, record, step, structural
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_dir(out_dir: Path) -> Path:
-    """Sibling folder holding per-layer checkpoints while a run is in progress."""
-    out_dir = Path(out_dir)
-    return out_dir.with_name(out_dir.name + ".ckpt")
 
 
 def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig) -> None:
@@ -89,24 +84,15 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
         return _Source(loaded.model, loaded.tokenizer, loaded.source, str(loaded.path or loaded.source), None)
     from transformers import AutoTokenizer
 
-    path = local_model_dir(model_cfg.model)
+    source = resolve_source(model_cfg.model)
+    if source.kind == HUB:
+        raise ConfigError(f"--offload disk streams layers from a local model; {model_cfg.model!r} is a hub id: "
+                          "use --offload cpu, or pass a local Hugging Face directory or .gguf file")
+    path = local_dir(source)
     lazy = LazyModel.open(path, spill_dir=ckpt / "spill")
     check_architecture(lazy.model.config)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     return _Source(lazy.model, tok, model_cfg.model, str(path), lazy)
-
-
-def local_model_dir(spec: str) -> Path:
-    """The local HF directory behind a model spec, without loading it (GGUF: converted once)."""
-    if spec == "default":
-        return ensure_default_converted()
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return ensure_gguf_converted(path)
-    raise ConfigError(f"--offload disk streams layers from a local model; {spec!r} is not a Hugging Face directory, "
-                      "a .gguf file or 'default' (use --offload cpu for hub ids)")
 
 
 def _dense_numel(model) -> dict[str, int]:
@@ -151,7 +137,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
             structural.record_widths(src.model.config, records)
         src.model.config.laco_deploy = record.config_summary(prune_cfg, overall, calib)
         doc = record.sparsity_document(prune_cfg, records, overall, calib, time.perf_counter() - t0)
-        extra = {record.SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"}
+        extra = {SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"}
         if src.lazy is not None:
             src.lazy.save(out_dir, src.tokenizer, extra_files=extra)
         else:
@@ -160,7 +146,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
     log.info("pruned model written to %s (sparsity %.4f)", out_dir, overall["sparsity"])
     m = meas.to_dict()
     return ModelDirResult(
-        model_dir=str(out_dir), stage="prune", sparsity=overall["sparsity"], pattern=record.pattern_label(prune_cfg),
+        model_dir=str(out_dir), stage="prune", sparsity=overall["sparsity"], pattern=record.label(prune_cfg),
         settings={"prune": to_dict(prune_cfg), "calibration": calib, "model": src.source},
         per_layer=[{k: v for k, v in r.items() if k != "matrices"} for r in records],
         wall_s=m["wall_s"], peak_mib=m["peak_mib"], memory_kind=m["memory_kind"],
