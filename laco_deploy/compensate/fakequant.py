@@ -135,6 +135,21 @@ _GRIDS = {"q4_k": (q4_k_grid, q4_k_apply), "q6_k": (q6_k_grid, q6_k_apply)}
 GRID_REUSE = 8  # training steps that round onto the last k-quant grid before it is searched again
 
 
+class _ActiveLayer:
+    """Only the layer that runs keeps its quantized weights: entering another layer frees those of
+    the previous one (LaCo visits layers in order; a copy per layer would add a model's worth of RAM)."""
+
+    def __init__(self):
+        self.index: int | None = None
+        self.members: dict[int, list[_Quantizer]] = {}
+
+    def enter(self, index: int) -> None:
+        if self.index is not None and self.index != index:
+            for q in self.members.get(self.index, []):
+                q.clear()
+        self.index = index
+
+
 class _Quantizer:
     """The fake-quantized weight of one linear, recomputed only when the weight changed.
 
@@ -144,8 +159,11 @@ class _Quantizer:
     exporter's rounding. Block-absmax schemes are exact in every step.
     """
 
-    def __init__(self, scheme: str):
-        self.scheme = scheme
+    def __init__(self, scheme: str, layer: int, active: "_ActiveLayer"):
+        self.scheme, self.layer, self.active = scheme, layer, active
+        self.clear()
+
+    def clear(self) -> None:
         self._key: tuple | None = None
         self._exact = False
         self._value: torch.Tensor | None = None
@@ -165,6 +183,7 @@ class _Quantizer:
         training = weight.requires_grad and torch.is_grad_enabled()
         key = (weight.data_ptr(), weight._version, weight.device, weight.dtype)
         if key != self._key or (not training and not self._exact):
+            self.active.enter(self.layer)
             with torch.no_grad():
                 self._value = self._quantize(weight.detach().float(), exact=not training).to(weight.dtype)
             self._key, self._exact = key, not training
@@ -195,11 +214,14 @@ def fake_quantized(layers: list[torch.nn.Module], quant_aware: str | None,
         raise ValueError(f"unknown quant-aware type {quant_aware!r}; choose from {', '.join(QUANT_AWARE)}")
     installed: list[torch.nn.Linear] = []
     schemes: dict[str, str] = {}
+    active = _ActiveLayer()
     try:
         for index, layer in enumerate(layers):
             for name, lin in linear_modules(layer, targets).items():
                 scheme = tensor_scheme(quant_aware, name, index, len(layers), lin.in_features)
-                lin.forward = functools.partial(_fake_forward, lin, _Quantizer(scheme))
+                quantizer = _Quantizer(scheme, index, active)
+                active.members.setdefault(index, []).append(quantizer)
+                lin.forward = functools.partial(_fake_forward, lin, quantizer)
                 installed.append(lin)
                 schemes[f"{index}.{name}"] = scheme
         log.info("quant-aware %s: linears compute with fake-quantized weights (%s)", quant_aware,
