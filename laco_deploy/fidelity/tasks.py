@@ -137,8 +137,10 @@ def load_tasks(specs: tuple[str, ...] | list[str]) -> LoadedTasks:
     if not specs:
         raise TaskError("no zero-shot task given; pass --tasks with a task name or a task .yaml file")
     resolved = [resolve(s) for s in specs]
-    TaskManager = _harness_api()["TaskManager"]
-    manager = TaskManager(include_defaults=any(r.kind == "harness" for r in resolved))
+    if any(r.kind == "harness" for r in resolved):
+        manager = _default_manager()
+    else:  # only our configs: skip indexing the harness's thousands of task files
+        manager = _harness_api()["TaskManager"](include_defaults=False)
     merged: dict[str, Any] = {"tasks": {}, "groups": {}, "group_map": {}}
     origin: dict[str, ResolvedTask] = {}
     for r in resolved:
@@ -265,9 +267,14 @@ def _short(e: Exception, limit: int = 300) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def _default_manager():
+    """The harness's TaskManager over every task it ships (indexing takes several seconds: done once)."""
+    return _harness_api()["TaskManager"]()
+
+
 def _harness_names() -> frozenset[str]:
-    """Every task, group and tag name lm-evaluation-harness ships (indexing takes a few seconds)."""
-    return frozenset(_harness_api()["TaskManager"]().all_tasks)
+    """Every task, group and tag name lm-evaluation-harness ships."""
+    return frozenset(_default_manager().all_tasks)
 
 
 def _harness_tasks_dir() -> Path:
