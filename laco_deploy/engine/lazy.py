@@ -24,6 +24,7 @@ from laco_deploy.fsutil import atomic_dir, atomic_path
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
+REST = ("model.embed_tokens", "model.norm", "lm_head")  # the non-layer modules, in checkpoint order
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -62,9 +63,10 @@ class LazyModel:
         self._spilled: set[int] = set()
 
     @classmethod
-    def open(cls, path: Path, spill_dir: Path | None = None) -> LazyModel:
-        """Build the skeleton on `meta`, load the non-layer weights on CPU. spill_dir: where
-        processed layers go (None: processed layers are dropped, e.g. for a frozen dense twin)."""
+    def open(cls, path: Path, spill_dir: Path | None = None, *, rest: bool = True) -> LazyModel:
+        """Build the skeleton on `meta`; with `rest`, load the non-layer weights (embeddings, final
+        norm, LM head) on CPU now, else leave them to `load_rest`. spill_dir: where processed layers
+        go (None: processed layers are dropped, e.g. for a frozen dense twin or a read-only pass)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from laco_deploy import structured
@@ -77,20 +79,53 @@ class LazyModel:
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
             for layer, width in zip(model.model.layers, structured.layer_widths(config)):
                 structured.shrink_layer(layer, width, head_dim)
-        where = _tensor_files(path)
-        for module in (model.model.embed_tokens, model.model.norm, model.lm_head):
-            module.to_empty(device="cpu")
         model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # recompute its tables on CPU
-        rest = [n for n, _ in model.named_parameters() if not n.startswith("model.layers.") and n in where]
-        model.load_state_dict(_read(where, rest), strict=False)
-        if config.tie_word_embeddings:
-            model.tie_weights()
-        elif "lm_head.weight" not in where:
-            raise ModelError(f"{path}: lm_head.weight missing and embeddings are not tied; the checkpoint is incomplete")
         model.eval()
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
-        return cls(model, path, where, spill_dir)
+        lazy = cls(model, path, _tensor_files(path), spill_dir)
+        if rest:
+            lazy.load_rest()
+        return lazy
+
+    def load_rest(self, modules: tuple[str, ...] = REST) -> None:
+        """Materialise non-layer modules (names from REST) on CPU from the source files. With tied
+        embeddings the head is the embedding matrix, so asking for either loads both."""
+        model, tied = self.model, bool(self.model.config.tie_word_embeddings)
+        wanted = self._with_tied(modules)
+        if "lm_head" in wanted and not tied and "lm_head.weight" not in self._where:
+            raise ModelError(f"{self.path}: lm_head.weight missing and embeddings are not tied; the checkpoint is incomplete")
+        for name in wanted:
+            model.get_submodule(name).to_empty(device="cpu")
+        prefixes = tuple(f"{name}." for name in wanted)
+        names = [n for n, _ in model.named_parameters() if n.startswith(prefixes) and n in self._where]
+        model.load_state_dict(self._read(names), strict=False)
+        if tied:
+            model.tie_weights()
+
+    def release_rest(self, modules: tuple[str, ...] = REST) -> None:
+        """Return non-layer modules to `meta` (their weights are read again by the next `load_rest`)."""
+        for name in self._with_tied(modules):
+            self.model.get_submodule(name).to("meta")
+        if self.model.config.tie_word_embeddings:
+            self.model.tie_weights()
+
+    def _with_tied(self, modules: tuple[str, ...]) -> set[str]:
+        """`modules`, plus the other half of a tied embedding / head pair."""
+        wanted, embedding = set(modules), {"model.embed_tokens", "lm_head"}
+        if self.model.config.tie_word_embeddings and wanted & embedding:
+            wanted |= embedding
+        return wanted
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor of the source checkpoint, read from its file, as float32 on CPU."""
+        return self._read([name])[name]
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._where
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return _read(self._where, names)
 
     def without_spill(self) -> LazyModel:
         """A loader over the same model that drops layers after use (read-only passes, dense twins)."""

@@ -64,14 +64,19 @@ class LayerContext:
 
     def forward(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Call a decoder layer on a batch. hidden [b, seq, hidden] -> [b, seq, hidden]."""
-        out = layer(hidden, **self.kwargs)
-        return out[0] if isinstance(out, tuple) else out
+        return call_layer(layer, hidden, self.kwargs)
 
     @torch.no_grad()
     def run(self, layer: torch.nn.Module, src: ActivationCache, dst: ActivationCache) -> None:
         for start in range(0, len(src), self.batch_size):
             stop = min(start + self.batch_size, len(src))
             dst.store(start, self.forward(layer, src.batch(start, stop, self.device)))
+
+
+def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer on a batch. hidden [b, seq, hidden] -> [b, seq, hidden]."""
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
 
 
 def _load_layer_state(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -1,14 +1,17 @@
 """Fidelity stage: score candidates against the dense model on the same evaluation tokens.
 
-Every candidate (PyTorch directory, ONNX export, GGUF file) is opened through
-`laco_deploy.bench.runner.open_runner` and fed the same token windows. The loop goes window by
-window, so only one window's logits per model are alive at a time ([seq, vocab] each); the dense
-model runs once per window and every candidate is compared with it. PyTorch candidates also get
-per-layer hidden-state curves.
+PyTorch candidates (Hugging Face directories) and the dense model run on the layer engine
+(fidelity/torch_pass.py): walked side by side one decoder layer at a time with weights streamed
+from safetensors, which also yields the per-layer error curves; their final norm and LM head then
+give the logits window by window. Runtime candidates (GGUF, ONNX exports) are opened through
+`laco_deploy.bench.runner.open_runner` one at a time, scored against the dense logits of the same
+windows and closed before the next one loads. Only one window's logits per model are alive at a
+time ([seq, vocab] each).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,17 +21,19 @@ from typing import Any
 import torch
 
 from laco_deploy.artifacts import Artifact
-from laco_deploy.bench.runner import TorchRunner, open_runner
+from laco_deploy.bench.runner import open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
 from laco_deploy.data import eval_domains, evaluation_windows
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
-from laco_deploy.fidelity.layerwise import LayerCurves, forward_with_layers
+from laco_deploy.fidelity.layerwise import LayerCurves
 from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
 from laco_deploy.fidelity.tasks import load_tasks
-from laco_deploy.models import decoder_layers, load_model, resolve_device
+from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
+from laco_deploy.models import load_model, local_model_dir, resolve_device
 from laco_deploy.progress import progress_bar
+from laco_deploy.targets import target_for_path
 
 log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
@@ -135,23 +140,30 @@ def run(
     t0 = time.perf_counter()
     zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None  # a bad task fails before any model loads
     device = device if device is not None else resolve_device(model_cfg.device)
-    loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code)
+    runtime_cands, torch_cands = _split_candidates(candidates)
+    dense_dir = local_model_dir(model_cfg.model)
+    tokenizer = _tokenizer(dense_dir, model_cfg)
     domains = eval_domains(data_cfg.eval)
-    per_domain = {label: evaluation_windows(loaded.tokenizer, spec, data_cfg.eval_samples, data_cfg.seqlen)
+    per_domain = {label: evaluation_windows(tokenizer, spec, data_cfg.eval_samples, data_cfg.seqlen)
                   for label, spec in domains}
     windows = torch.cat(list(per_domain.values()))  # [n_windows, seqlen], domain after domain
     window_domain = [label for label, w in per_domain.items() for _ in range(w.shape[0])]
-    dense = TorchRunner(loaded.model, device)
-    runners = {label: open_runner(path, device=device, threads=fid_cfg.threads) for label, path in candidates.items()}
     notes: list[str] = []
-    stats = {label: _Stats(r.name, _curves_for(label, r, dense.model, fid_cfg, notes)) for label, r in runners.items()}
-    dense_nll, dense_by_domain = _evaluate(windows, window_domain, dense, runners, stats, device)
+    resident = lambda path: _load_resident(path, model_cfg)  # noqa: E731
+    tp = run_torch_pass(dense_dir, torch_cands, windows, device, layerwise=fid_cfg.layerwise, notes=notes,
+                        load_resident=resident)
+    stats = {label: _Stats("pytorch", tp.curves[label]) for label in torch_cands}
+    dense_nll, dense_by_domain = _score_torch(windows, window_domain, tp, stats)
+    tp.release(keep=(DENSE,) if runtime_cands else ())
+    for label, path in runtime_cands.items():
+        stats[label] = _score_runtime(label, path, windows, window_domain, tp, fid_cfg)
+    tp.close()
     zeroshot = None
     if zs_tasks is not None:
-        from laco_deploy.fidelity.zeroshot import evaluate_runners
+        from laco_deploy.fidelity.zeroshot import evaluate_models
 
-        zeroshot = evaluate_runners(zs_tasks, fid_cfg, loaded.tokenizer, dense.model, runners)
-    del runners
+        zeroshot = evaluate_models(zs_tasks, fid_cfg, tokenizer, _zeroshot_loaders(model_cfg, torch_cands, device),
+                                   _zeroshot_skipped(runtime_cands))
     dense_ppl = M.perplexity(*dense_nll)
     dense_domain_ppl = {d: M.perplexity(*sums) for d, sums in dense_by_domain.items()}
     cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl, dense_domain_ppl)
@@ -159,7 +171,7 @@ def run(
     gates = evaluate_gates(fid_cfg, {label: c["metrics"] for label, c in cand_out.items()})
     report_dir = Path(report_dir)
     result = FidelityResult(
-        dense={"model": model_cfg.model, "path": str(loaded.path), "sha256": input_hash(loaded.path),
+        dense={"model": model_cfg.model, "path": str(dense_dir), "sha256": input_hash(dense_dir),
                "ppl": dense_ppl, "nll_mean": dense_nll[0] / dense_nll[1], "tokens_scored": dense_nll[1],
                "domains": {d: {"ppl": dense_domain_ppl[d], "tokens_scored": dense_by_domain[d][1]} for d in per_domain}},
         candidates=cand_out,
@@ -182,45 +194,88 @@ def run(
     return result
 
 
-def _curves_for(label: str, runner, dense_model, fid_cfg: FidelityConfig, notes: list[str]) -> LayerCurves | None:
-    """Per-layer curves for PyTorch candidates whose depth and hidden size match the dense model."""
-    if not fid_cfg.layerwise or not isinstance(runner, TorchRunner):
-        return None
-    n_dense, n_cand = len(decoder_layers(dense_model)), len(decoder_layers(runner.model))
-    h_dense, h_cand = dense_model.config.hidden_size, runner.model.config.hidden_size
-    if (n_dense, h_dense) != (n_cand, h_cand):
-        notes.append(f"{label}: no per-layer curves ({n_cand} layers x hidden {h_cand} vs dense {n_dense} x {h_dense})")
-        return None
-    return LayerCurves(n_dense)
+def _split_candidates(candidates: dict[str, str | Path]) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(runtime exports, PyTorch directories), each in the given order; a missing path is an error."""
+    runtime, torch_dirs = {}, {}
+    for label, path in candidates.items():
+        p = Path(path)
+        if not p.exists():
+            raise ModelError(f"candidate {path} not found; pass a Hugging Face directory, an .onnx file/folder or a .gguf file")
+        (runtime if target_for_path(p) is not None else torch_dirs)[label] = p
+    return runtime, torch_dirs
 
 
-def _evaluate(windows: torch.Tensor, window_domain: list[str], dense: TorchRunner, runners: dict,
-              stats: dict[str, _Stats], device: torch.device) -> tuple[tuple[float, int], dict[str, tuple[float, int]]]:
-    """Window by window: dense forward once, every candidate compared with it.
+def _tokenizer(dense_dir: Path, model_cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(dense_dir, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load the tokenizer of {dense_dir}: {e}") from e
+
+
+def _load_resident(path: Path, model_cfg: ModelConfig):
+    """A model without safetensors weights, loaded whole (pickles only with --allow-pickle)."""
+    return load_model(str(path), allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code).model
+
+
+def _score_torch(windows: torch.Tensor, window_domain: list[str], tp: TorchPass,
+                 stats: dict[str, _Stats]) -> tuple[tuple[float, int], dict[str, tuple[float, int]]]:
+    """Window by window: dense logits once, every PyTorch candidate compared with them.
     Returns the dense (NLL sum, count) over all windows and per domain."""
-    need_layers = any(s.curves is not None for s in stats.values())
     nll_sum, nll_count = 0.0, 0
     by_domain: dict[str, tuple[float, int]] = {}
     for w in progress_bar(range(windows.shape[0]), desc="fidelity", unit="window"):
         ids, domain = windows[w], window_domain[w]
-        if need_layers:
-            d_logits, d_hidden = forward_with_layers(dense.model, ids, device)
-        else:
-            d_logits, d_hidden = dense.logits(ids), None
+        d_logits = tp.logits(DENSE, w)
         nll = M.next_token_nll(d_logits, ids)
         nll_sum, nll_count = nll_sum + nll.sum().item(), nll_count + nll.numel()
         d_sum, d_count = by_domain.get(domain, (0.0, 0))
         by_domain[domain] = (d_sum + nll.sum().item(), d_count + nll.numel())
-        for label, runner in runners.items():
-            st = stats[label]
-            if st.curves is not None:
-                c_logits, c_hidden = forward_with_layers(runner.model, ids, device)
-                st.curves.add(c_hidden, d_hidden)
-            else:
-                c_logits = _runner_logits(label, runner, ids)
+        for label, st in stats.items():
+            c_logits = tp.logits(label, w)
             _check_logits(label, c_logits, d_logits, w)
             st.add(d_logits, c_logits, ids, domain)
     return (nll_sum, nll_count), by_domain
+
+
+def _score_runtime(label: str, path: Path, windows: torch.Tensor, window_domain: list[str], tp: TorchPass,
+                   fid_cfg: FidelityConfig) -> _Stats:
+    """One runtime candidate over every window against the dense logits; its runner is closed
+    (and its memory released) before the next candidate opens."""
+    runner = open_runner(path, device=tp.device, threads=fid_cfg.threads)
+    try:
+        st = _Stats(runner.name, None)
+        for w in progress_bar(range(windows.shape[0]), desc=f"fidelity {label}", unit="window"):
+            d_logits = tp.logits(DENSE, w)
+            c_logits = _runner_logits(label, runner, windows[w])
+            _check_logits(label, c_logits, d_logits, w)
+            st.add(d_logits, c_logits, windows[w], window_domain[w])
+        return st
+    finally:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+        del runner
+        gc.collect()
+
+
+def _zeroshot_loaders(model_cfg: ModelConfig, torch_cands: dict[str, Path], device: torch.device) -> dict[str, Any]:
+    """label -> function loading that model whole on `device`: the harness scores one model at a time."""
+    def loader(spec: str, **kw):
+        return lambda: load_model(spec, **kw).model.to(device).eval()
+
+    kw = {"allow_pickle": model_cfg.allow_pickle, "trust_remote_code": model_cfg.trust_remote_code}
+    return {DENSE: loader(model_cfg.model, **kw), **{label: loader(str(p), **kw) for label, p in torch_cands.items()}}
+
+
+def _zeroshot_skipped(runtime_cands: dict[str, Path]) -> dict[str, str]:
+    out = {}
+    for label, path in runtime_cands.items():
+        runtime = target_for_path(path).runtime
+        out[label] = f"{runtime} candidate: lm-evaluation-harness runs the PyTorch models only"
+        log.info("zero-shot: skipping %s (%s runtime): lm-evaluation-harness scores PyTorch models only", label, runtime)
+    return out
 
 
 def _runner_logits(label: str, runner, ids: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""Per-layer hidden states of PyTorch models and the running per-layer error curves.
+"""Per-layer error curves of candidates against the dense model, and whole-model layer outputs.
 
-Each model runs its own full forward pass (so every decoder layer of the candidate is fed by the
-candidate's own previous layers, the way it runs in deployment); forward hooks on the decoder
-layers record each layer's output. One pass gives both the logits and the hidden states, which
-is why fidelity does not walk the layers through the engine: that would cost a second pass.
+`LayerCurves` keeps running sums of per-token relative error and cosine per decoder layer. Fidelity
+fills it from the layer engine (fidelity/torch_pass.py: every model walked side by side, each
+candidate layer fed by the candidate's own previous layers, the way it runs in deployment), one
+layer over all windows at a time (`add_layer`). `record_layer_outputs` / `forward_with_layers`
+give the same per-layer outputs from one whole-model forward pass (hooks on the decoder layers):
+the reference the engine is tested against.
 """
 
 from __future__ import annotations
@@ -54,22 +56,27 @@ class LayerCurves:
     num_layers: int
     rel_sum: list[float] = field(default_factory=list)
     cos_sum: list[float] = field(default_factory=list)
-    tokens: int = 0
+    tokens: list[int] = field(default_factory=list)  # tokens summed per layer
 
     def __post_init__(self) -> None:
         self.rel_sum = [0.0] * self.num_layers
         self.cos_sum = [0.0] * self.num_layers
+        self.tokens = [0] * self.num_layers
 
     def add(self, cand: list[torch.Tensor], dense: list[torch.Tensor]) -> None:
         """Add one window. cand and dense: L x [seq, hidden] (same shapes, same device)."""
         if len(cand) != self.num_layers or len(dense) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} layer outputs, got {len(cand)} and {len(dense)}")
         for i, (hc, hd) in enumerate(zip(cand, dense)):
-            self.rel_sum[i] += relative_error(hc, hd).sum().item()
-            self.cos_sum[i] += cosine(hc, hd).sum().item()
-        self.tokens += cand[0].shape[0]
+            self.add_layer(i, hc, hd)
+
+    def add_layer(self, i: int, cand: torch.Tensor, dense: torch.Tensor) -> None:
+        """Add layer i's outputs for some tokens. cand, dense [..., hidden] (same shapes)."""
+        self.rel_sum[i] += relative_error(cand, dense).sum().item()
+        self.cos_sum[i] += cosine(cand, dense).sum().item()
+        self.tokens[i] += cand[..., 0].numel()
 
     def to_list(self) -> list[dict[str, float]]:
         """[{layer, rel_error, cosine}] averaged over tokens, one entry per decoder layer."""
-        n = max(self.tokens, 1)
-        return [{"layer": i, "rel_error": r / n, "cosine": c / n} for i, (r, c) in enumerate(zip(self.rel_sum, self.cos_sum))]
+        return [{"layer": i, "rel_error": r / max(n, 1), "cosine": c / max(n, 1)}
+                for i, (r, c, n) in enumerate(zip(self.rel_sum, self.cos_sum, self.tokens))]

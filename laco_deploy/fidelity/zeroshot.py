@@ -1,4 +1,4 @@
-"""Zero-shot accuracy through lm-evaluation-harness, on models that are already loaded.
+"""Zero-shot accuracy through lm-evaluation-harness, on PyTorch models loaded one at a time.
 
 The harness is the engine: its HFLM wrapper takes our transformers model object (so structured-pruned
 models with per-layer widths, which `models.load_model` rebuilds, run as loaded) and the dense model's
@@ -16,11 +16,14 @@ that report it, with the standard error of that mean (tasks taken as independent
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.metadata
 import logging
 import math
 import time
 from typing import Any
+
+import torch
 
 from laco_deploy.config import FidelityConfig
 from laco_deploy.fidelity.tasks import LoadedTasks
@@ -49,12 +52,19 @@ def evaluate_runners(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, dense_m
 
 def evaluate_models(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, models: dict[str, Any],
                     skipped: dict[str, str] | None = None) -> dict[str, Any]:
-    """Every task on every model (label -> transformers causal LM, on its device, in eval mode)."""
+    """Every task on every model (label -> transformers causal LM on its device in eval mode, or a
+    function returning one: then each model is loaded when its turn comes and released after, so
+    only one is in memory)."""
     per_model: dict[str, dict[str, Any]] = {}
-    for label, model in models.items():
+    for label in list(models):
         t0 = time.perf_counter()
+        model = models[label]
+        if callable(model) and not isinstance(model, torch.nn.Module):
+            model = model()
         log.info("zero-shot: %s on %d task(s)", label, len(tasks.task_dict["tasks"]))
         scores = _evaluate_one(tasks, cfg, tokenizer, model)
+        del model
+        gc.collect()
         per_model[label] = {"tasks": scores, "mean": mean_over_tasks(scores), "wall_s": time.perf_counter() - t0}
     return {
         "tasks": tasks.describe(),
