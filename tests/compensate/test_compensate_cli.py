@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from laco_deploy.config import CompensateConfig
+
 
 def test_cli_runs_and_prints_summary(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
     code, out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_unstructured_dir,
@@ -48,6 +50,6 @@ def test_cpu_default_budget_is_small_and_said(cli, tiny_llama_dir, sparse_24_dir
     code, out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_24_dir, "--out", tmp_path / "o",
                          "--epochs", 1, "--device", "cpu")
     assert code == 0, err
-    assert "small CPU budget: 32 x 128 tokens" in out.replace("\n", " ")
+    assert f"small CPU budget: {CompensateConfig.cpu_samples} x 128 tokens" in out.replace("\n", " ")
     rec_cfg = json.loads((tmp_path / "o" / "config.json").read_text())["laco_deploy"]
-    assert rec_cfg["samples"] == 32 and rec_cfg["seqlen"] == 128 and rec_cfg["pattern"] == "2:4"
+    assert rec_cfg["samples"] == CompensateConfig.cpu_samples and rec_cfg["seqlen"] == 128 and rec_cfg["pattern"] == "2:4"
