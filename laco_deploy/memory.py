@@ -17,23 +17,25 @@ from pathlib import Path
 import torch
 
 
-def current_rss_bytes() -> int:
+def proc_bytes(path: str, key: str) -> int | None:
+    """The `key:   N kB` line of a /proc file, in bytes (None where it is absent, e.g. macOS)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def current_rss_bytes() -> int:
+    return proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
 def _peak_rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = proc_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 

@@ -56,7 +56,7 @@ def compensate_command(
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
     lora_lr: Annotated[float, typer.Option("--lora-lr", help="LoRA AdamW learning rate.")] = _C.lora_lr,
-    offload: Annotated[str, typer.Option("--offload", help="Where activations live: cpu (RAM) or disk (memory-mapped).")] = _C.offload,
+    offload: Annotated[str, typer.Option("--offload", help="cpu: pruned model and activations in RAM (streamed anyway, said in the log, when they would not fit); disk: activations memory-mapped and only the current layer pair in memory, layers streamed from safetensors, result written shard by shard. The dense model always streams one layer at a time.")] = _C.offload,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT.ckpt after an interrupted run (same result as uninterrupted). Default: off, start over.")] = False,
     device: DeviceOpt = ModelConfig.device,
     calib: CalibOpt = _D.calib,

@@ -21,7 +21,7 @@ from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, split_indices
 from laco_deploy.config import CompensateConfig
-from laco_deploy.engine import LayerContext, Paths, capture_layer_inputs, walk_layers
+from laco_deploy.engine import LayerContext, LayerLoader, Paths, capture_layer_inputs, walk_layers
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.memory import Measurement, current_rss_bytes, measure
 from laco_deploy.models import decoder_layers
@@ -128,8 +128,10 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
 
 def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
                device: torch.device, seed: int, checkpoint_dir, fingerprint: dict, resume: bool,
-               meter: SegmentMeter) -> list[dict]:
-    """Run LaCo over all layers of `sparse_model` in place. input_ids [n, seq]. Returns per-layer records."""
+               meter: SegmentMeter, layer_loader: LayerLoader | None = None,
+               dense_loader: LayerLoader | None = None) -> list[dict]:
+    """Run LaCo over all layers of `sparse_model` in place. input_ids [n, seq]. Returns per-layer records.
+    `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -141,5 +143,5 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
         records = walk_layers(sparse_model, inputs, step, paths=Paths.BOTH, device=device, dense_model=dense_model,
                               batch_size=cfg.batch_size, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint,
-                              resume=resume, desc="LaCo")
+                              resume=resume, desc="LaCo", layer_loader=layer_loader, dense_loader=dense_loader)
     return records

@@ -53,7 +53,15 @@ def masked_merge(weight: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tenso
 
 def model_sparsity(model, targets: Iterable[str] = PRUNABLE_LINEARS,
                    dense_numel: dict[str, int] | None = None) -> dict:
-    """Realised sparsity over the prunable matrices of all decoder layers.
+    """Realised sparsity over the prunable matrices of all decoder layers (see weights_sparsity)."""
+    weights = ((f"model.layers.{i}.{name}", lin.weight.detach()) for i, layer in enumerate(decoder_layers(model))
+               for name, lin in linear_modules(layer, tuple(targets)).items())
+    return weights_sparsity(weights, dense_numel)
+
+
+def weights_sparsity(weights: Iterable[tuple[str, torch.Tensor]], dense_numel: dict[str, int] | None = None) -> dict:
+    """Realised sparsity of (matrix key, weight) pairs, e.g. `model.layers.0.mlp.up_proj`; the
+    weights may be read one at a time (streamed compensation).
 
     `dense_numel` (matrix name -> element count of the dense model) makes removed rows and
     columns of structured pruning count as zeros: sparsity = 1 - nonzeros / dense elements.
@@ -61,16 +69,13 @@ def model_sparsity(model, targets: Iterable[str] = PRUNABLE_LINEARS,
     """
     zeros = nonzeros = original = 0
     matrices = {}
-    for i, layer in enumerate(decoder_layers(model)):
-        for name, lin in linear_modules(layer, tuple(targets)).items():
-            key = f"model.layers.{i}.{name}"
-            w = lin.weight.detach()
-            nz = int(torch.count_nonzero(w))
-            numel = w.numel()
-            matrices[key] = {"zeros": numel - nz, "numel": numel}
-            zeros += numel - nz
-            nonzeros += nz
-            original += (dense_numel or {}).get(key, numel)
+    for key, w in weights:
+        nz = int(torch.count_nonzero(w))
+        numel = w.numel()
+        matrices[key] = {"zeros": numel - nz, "numel": numel}
+        zeros += numel - nz
+        nonzeros += nz
+        original += (dense_numel or {}).get(key, numel)
     sparsity = 1.0 - nonzeros / original if original else 0.0
     return {"sparsity": round(sparsity, 6), "zeros": zeros, "elements": original, "matrices": matrices}
 

@@ -17,14 +17,14 @@ import torch
 
 from laco_deploy import data as data_mod
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
-from laco_deploy.compensate import laco, lora
+from laco_deploy.compensate import laco, lora, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
-from laco_deploy.compensate.masks import dense_numel, model_sparsity
+from laco_deploy.compensate.masks import dense_numel
 from laco_deploy.compensate.record import config_summary, result_record, sparsity_document
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
 from laco_deploy.fsutil import atomic_dir
-from laco_deploy.models import load_model, resolve_device, save_model
+from laco_deploy.models import resolve_device
 from laco_deploy.throughput import matmul_gflops
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,10 @@ def check_compatible(dense_cfg: Any, sparse_cfg: Any, dense_dir: str, sparse_dir
 
 
 def _check_shapes(dense, sparse, targets: tuple[str, ...], sparse_dir: Path) -> None:
+    """Shapes only (skeletons on `meta` have them too)."""
     numel = dense_numel(dense, targets)
-    for key, mat in model_sparsity(sparse, targets)["matrices"].items():
-        if mat["numel"] > numel.get(key, -1):
+    for key, n in dense_numel(sparse, targets).items():
+        if n > numel.get(key, -1):
             raise ModelError(f"{sparse_dir}: {key} is larger than in the dense model; "
                              "pass as --dense the model that was pruned into --sparse")
 
@@ -103,39 +104,39 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     device = device if device is not None else resolve_device(model_cfg.device)
     budget = resolve_budget(comp_cfg, data_cfg, device)
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
-    dense = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code)
-    sparse = load_model(str(sparse_dir))
-    check_compatible(dense.model.config, sparse.model.config, model_cfg.model, sparse_dir)
-    info = _prune_info(sparse.model.config)
-    targets = tuple(info.get("targets") or PRUNABLE_LINEARS)
-    _check_shapes(dense.model, sparse.model, targets, sparse_dir)
-    numel = dense_numel(dense.model, targets)
-    before = model_sparsity(sparse.model, targets, numel)
-    ids = data_mod.calibration_samples(sparse.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
     ckpt = checkpoint_dir(out_dir)
-    _page_in(sparse.model, *((dense.model,) if comp_cfg.method == "laco" else ()))
+    run_cfg = streamed.resolve_offload(comp_cfg, sparse_dir, budget.samples * budget.seqlen)
+    models = streamed.open_models(model_cfg, sparse_dir, run_cfg, ckpt / "spill")
+    check_compatible(models.dense.config, models.sparse.config, model_cfg.model, sparse_dir)
+    info = _prune_info(models.sparse.config)
+    targets = tuple(info.get("targets") or PRUNABLE_LINEARS)
+    _check_shapes(models.dense, models.sparse, targets, sparse_dir)
+    numel = dense_numel(models.dense, targets)
+    before = streamed.sparsity(models.sparse, models.sparse_lazy, targets, numel)
+    ids = data_mod.calibration_samples(models.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
+    _page_in(*models.resident())
     reference_gflops = matmul_gflops(device)  # before the meter: its buffers are not the stage's memory
     meter = laco.SegmentMeter(device)
     meter.next()
     t0 = time.perf_counter()
     if comp_cfg.method == "laco":
         fp = _fingerprint(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
-        records = laco.compensate(dense.model, sparse.model, ids, comp_cfg, targets, device=device, seed=data_cfg.seed,
-                                  checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter)
-        model, summary = sparse.model, None
+        records = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
+                                  checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter,
+                                  layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy)
+        model, summary = models.sparse, None
     else:
-        del dense
         if resume:
             log.warning("--resume: the LoRA baseline trains the whole model at once and has no per-layer checkpoints; "
                         "it starts over")
-        model, summary = lora.compensate(sparse.model, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
+        model, summary = lora.compensate(models.sparse, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
         records = []
     meter.close()
     wall = time.perf_counter() - t0
-    after = model_sparsity(model, targets, numel)
+    after = streamed.sparsity(model, models.sparse_lazy, targets, numel)
     model.config.laco_deploy = config_summary(info, comp_cfg, budget, after["sparsity"])
     doc = sparsity_document(sparse_dir / SPARSITY_FILE, before, after, comp_cfg)
-    save_model(model, sparse.tokenizer, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+    streamed.save(models, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
     shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
     return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,

@@ -67,20 +67,11 @@ class LazyModel:
         """Build the skeleton on `meta`; with `rest`, load the non-layer weights (embeddings, final
         norm, LM head) on CPU now, else leave them to `load_rest`. spill_dir: where processed layers
         go (None: processed layers are dropped, e.g. for a frozen dense twin or a read-only pass)."""
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        from laco_deploy import structured
+        from transformers import AutoConfig
 
         path = Path(path)
-        config = AutoConfig.from_pretrained(path)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if structured.has_layer_widths(config):
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            for layer, width in zip(model.model.layers, structured.layer_widths(config)):
-                structured.shrink_layer(layer, width, head_dim)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)  # recompute its tables on CPU
-        model.eval()
+        model = skeleton(AutoConfig.from_pretrained(path))
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # recompute its tables on CPU
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
         lazy = cls(model, path, _tensor_files(path), spill_dir)
@@ -133,16 +124,21 @@ class LazyModel:
 
     def load(self, i: int, layer: torch.nn.Module) -> None:
         """Materialise decoder layer i on CPU from the source files (or its spill file)."""
-        spill = self._spill_path(i)
+        state = self.layer_state(i, layer)
         layer.to_empty(device="cpu")
+        _assign(layer, state)
+
+    def layer_state(self, i: int, layer: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Decoder layer i's tensors by name within the layer: from its spill file once processed,
+        else from the source files. `layer`: the module whose names to read (default: layer i)."""
+        spill = self._spill_path(i)
         if spill is not None and i in self._spilled:
             with safe_open(str(spill), framework="pt") as handle:
-                state = {k: handle.get_tensor(k) for k in handle.keys()}
-        else:
-            prefix = f"model.layers.{i}."
-            names = [prefix + k for k in layer.state_dict()]
-            state = {k[len(prefix):]: v for k, v in _read(self._where, names).items()}
-        _assign(layer, state)
+                return {k: handle.get_tensor(k) for k in handle.keys()}
+        prefix = f"model.layers.{i}."
+        layer = layer if layer is not None else self.model.model.layers[i]
+        names = [prefix + k for k in layer.state_dict()]
+        return {k[len(prefix):]: v for k, v in self._read(names).items()}
 
     def release(self, i: int, layer: torch.nn.Module) -> None:
         """Spill the processed layer to disk (when a spill dir is set) and return it to `meta`."""
@@ -186,6 +182,21 @@ class LazyModel:
                 tokenizer.save_pretrained(tmp)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
+
+
+def skeleton(config) -> torch.nn.Module:
+    """The causal LM of `config` on `meta` (no memory), decoder layers at their per-layer widths."""
+    from transformers import AutoModelForCausalLM
+
+    from laco_deploy import structured
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if structured.has_layer_widths(config):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for layer, width in zip(model.model.layers, structured.layer_widths(config)):
+            structured.shrink_layer(layer, width, head_dim)
+    return model.eval()
 
 
 def _assign(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
