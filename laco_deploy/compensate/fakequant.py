@@ -154,7 +154,7 @@ class _Quantizer:
     """The fake-quantized weight of one linear, recomputed only when the weight changed.
 
     Without gradients (evaluation, propagation) the result is always the exporter's. In training
-    steps a k-quant's grid search (~3x the cost of the layer's own step on SmolLM2-135M) runs every
+    steps a k-quant's grid search (several times the cost of a training step of a SmolLM2-135M layer) runs every
     GRID_REUSE steps; in between the changed weights are rounded onto the last grid with the
     exporter's rounding. Block-absmax schemes are exact in every step.
     """

@@ -10,12 +10,13 @@ over all blocks of a matrix; rows are split into super-blocks of QK_K = 256 valu
 - Q6_K: 16 sub-blocks of 16, x ~ d * sc_j * q with 6-bit q in [-32, 31], int8 sc_j and fp16 d; each
   sub-block's scale from a 19-step search weighted by x^2 (`make_qx_quants`, rmse_type 1).
 
-Why not always bit-exact: the C loops accumulate the weighted sums of a sub-block one element at a
-time in float32 (and the compiler may fuse multiply-adds), while torch sums in another order. A sum
-that differs in its last bit can flip a near-tie of the grid search or of a rounding, so a few
-blocks come out one grid step apart. tests/compensate/test_fakequant.py measures this against the
-tensors llama.cpp writes (`--quant q4_k_m` export read back): the values equal llama.cpp's
-for nearly every weight and the differences stay within one quantization step of their block.
+Exactness: the C loops accumulate each sub-block's sums one element at a time in float32 (no fused
+multiply-add in the build llama-cpp-python makes: emulating one made far more values differ), so
+the sums here run in that order too (`_seq_sum`); torch's vectorized sums, which add in another
+order, flipped near-ties of the grid search in ~1% of the values. Measured against the tensors
+llama.cpp writes (tests/compensate/test_fakequant.py, a `--quant q4_k_m` export read back): Q6_K
+equal bit for bit, Q4_K equal but for one sub-block of 32 values in 4 million (its grid search
+picked a neighbouring candidate), which the test bounds.
 
 Zeros: Q6_K is symmetric, so a pruned (zero) weight dequantizes to 0. Q4_K is affine (a min per
 sub-block): a zero comes back as d * sc * round(m / sc / d) - m, generally a small non-zero value,
@@ -45,36 +46,46 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
+def _seq_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 one element after the other in float32, as the C loops accumulate: [k, n] -> [1, n].
+    (torch's own sums and cumsum use other orders or float64, which flips near-ties of the searches.)"""
+    acc = t[0].clone()
+    for row in t[1:]:
+        acc += row
+    return acc.unsqueeze(0)
+
+
 def _qkx2_scale_min(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
                     nstep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`make_qkx2_quants` without use_mad, on many sub-blocks at once. x, w [n, k] -> (scale [n, 1], min [n, 1]).
+    """`make_qkx2_quants` without use_mad, on many sub-blocks at once: x, w [k, n], one sub-block of
+    k values per column -> (scale [1, n], min [1, n]).
 
     The returned min is positive and subtracted: x ~ scale * q - min. The search keeps the best
     (scale, min) so far and later steps start from it, as the C loop does.
     """
-    lo = x.amin(1, keepdim=True).clamp(max=0.0)
-    hi = x.amax(1, keepdim=True)
-    sum_w = w.sum(1, keepdim=True)
-    sum_x = (w * x).sum(1, keepdim=True)
+    lo = x.amin(0, keepdim=True).clamp(max=0.0)
+    hi = x.amax(0, keepdim=True)
+    sum_w = _seq_sum(w)
+    sum_x = _seq_sum(w * x)
     flat = hi == lo
     span = torch.where(flat, torch.ones_like(hi), hi - lo)
     iscale = nmax / span
     scale = 1.0 / iscale
     q = nearest_int(iscale * (x - lo)).clamp(0, nmax)
-    best = (w * (scale * q + lo - x).square()).sum(1, keepdim=True)
+    best = _seq_sum(w * (scale * q + lo - x).square())
     for step in range(nstep + 1):
         factor = _f32(rmin) + _f32(rdelta) * step + nmax
         span = torch.where(flat, torch.ones_like(hi), hi - lo)
         q = nearest_int(factor / span * (x - lo)).clamp(0, nmax)
         wq = w * q
-        sum_l, sum_l2, sum_xl = wq.sum(1, keepdim=True), (wq * q).sum(1, keepdim=True), (wq * x).sum(1, keepdim=True)
+        sum_l, sum_l2, sum_xl = _seq_sum(wq), _seq_sum(wq * q), _seq_sum(wq * x)
         det = sum_w * sum_l2 - sum_l * sum_l
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
         positive = this_min > 0
         this_scale = torch.where(positive, sum_xl / sum_l2, this_scale)
         this_min = torch.where(positive, torch.zeros_like(this_min), this_min)
-        err = (w * (this_scale * q + this_min - x).square()).sum(1, keepdim=True)
+        err = _seq_sum(w * (this_scale * q + this_min - x).square())
         better = (det > 0) & (err < best) & ~flat
         best = torch.where(better, err, best)
         scale = torch.where(better, this_scale, scale)
@@ -93,8 +104,8 @@ def _six_bit(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 def q4_k_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The Q4_K grid of a float32 matrix (rows a multiple of 256 long): per sub-block of 32 the step
     d * sc_j and the offset dmin * m_j, as float32. [out, in] -> ([blocks, 8, 1], [blocks, 8, 1])"""
-    sub = weight.reshape(-1, 32)
-    av_x = torch.sqrt(sub.square().sum(1, keepdim=True) / 32)
+    sub = weight.reshape(-1, 32).T.contiguous()  # [32, sub-blocks]
+    av_x = torch.sqrt(_seq_sum(sub.square()) / 32)
     scales, mins = _qkx2_scale_min(sub, av_x + sub.abs(), nmax=15, rmin=-1.0, rdelta=0.1, nstep=20)
     scales, mins = scales.reshape(-1, QK_K // 32), mins.reshape(-1, QK_K // 32)  # [super-blocks, 8]
     max_scale = scales.amax(1, keepdim=True).clamp(min=0.0)
@@ -122,17 +133,17 @@ def q4_k(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
-    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`: the weighted (x^2) best scale per row. x [n, k] -> [n, 1]"""
-    idx = x.abs().argmax(1, keepdim=True)
-    peak = x.gather(1, idx)  # the signed value of largest magnitude (first one on ties)
+    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`: the weighted (x^2) best scale of each
+    column (one sub-block of k values). x [k, n] -> [1, n]"""
+    idx = x.abs().argmax(0, keepdim=True)
+    peak = x.gather(0, idx)  # the signed value of largest magnitude (first one on ties)
     empty = peak.abs() < _EPS
     peak = torch.where(empty, torch.ones_like(peak), peak)
     w = x * x
 
     def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = nearest_int(iscale * x).clamp(-nmax, nmax - 1)
-        wq = w * x * q
-        return wq.sum(1, keepdim=True), (w * q * q).sum(1, keepdim=True)
+        return _seq_sum(w * x * q), _seq_sum(w * q * q)
 
     sumlx, suml2 = sums(-nmax / peak)
     scale = torch.where(suml2 != 0, sumlx / torch.where(suml2 != 0, suml2, torch.ones_like(suml2)),
@@ -152,7 +163,7 @@ def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
 def q6_k_grid(weight: torch.Tensor) -> torch.Tensor:
     """The Q6_K grid of a float32 matrix (rows a multiple of 256 long): the step d * sc_j of each
     sub-block of 16, float32. [out, in] -> [blocks, 16, 1]"""
-    scales = _qx_scale(weight.reshape(-1, 16), nmax=32).reshape(-1, QK_K // 16)  # [super-blocks, 16]
+    scales = _qx_scale(weight.reshape(-1, 16).T.contiguous(), nmax=32).reshape(-1, QK_K // 16)  # [super-blocks, 16]
     idx = scales.abs().argmax(1, keepdim=True)
     peak = scales.gather(1, idx)
     empty = peak.abs() < _EPS

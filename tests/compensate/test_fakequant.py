@@ -123,8 +123,8 @@ def _exported_vs_fake(model_dir: Path, out: Path, quant: str):
 @pytest.mark.parametrize("quant,types", [("q4_k_m", {"q4_k", "q6_k"}), ("q6_k", {"q6_k"}), ("q8_0", {"q8_0"})])
 def test_gguf_export_types_and_values(kquant_model_dir, tmp_path, quant, types):
     """Per-tensor types equal llama.cpp's choice for `--quant`; values equal what it stores: Q8_0
-    (gguf-py's writer) bit for bit, the k-quants up to the rare near-ties that float summation order
-    decides in the grid search (measured: ~1% of values, 0.5% of the quantization error)."""
+    (gguf-py's writer) and Q6_K bit for bit, Q4_K but for a rare sub-block whose grid search ends on
+    a neighbouring candidate (measured: 32 of 4 million values)."""
     rows = _exported_vs_fake(kquant_model_dir, tmp_path / "m.gguf", quant)
     assert {r[1] for r in rows} == types
     stats: dict[str, list[float]] = {}
@@ -136,10 +136,10 @@ def test_gguf_export_types_and_values(kquant_model_dir, tmp_path, quant, types):
         s[2] += float(np.abs(mine - ref).sum())
         s[3] += float(np.abs(w - ref).sum())
     for scheme, (differing, n, diff, qerr) in stats.items():
-        if scheme == "q8_0":
-            assert differing == 0
-        assert differing / n < 0.03, scheme
-        assert diff / qerr < 0.02, scheme
+        if scheme in ("q8_0", "q6_k"):
+            assert differing == 0, scheme
+        assert differing / n < 2e-4, scheme
+        assert diff / qerr < 1e-3, scheme
 
 
 def test_q4_k_m_fallbacks_match_llama_cpp_bit_for_bit(tiny_llama_dir, tmp_path):
