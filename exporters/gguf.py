@@ -6,13 +6,16 @@ F32, F16, BF16 and Q8_0 are written directly (norms and 1-D tensors stay F32, as
 converter does; a Q8_0 tensor whose rows are not a multiple of 32 falls back to F16). Q4_K_M,
 Q5_K_M and Q6_K are made by writing an F32 file next to the output and running
 `llama_cpp.llama_model_quantize` on it. The file appears only when complete (atomic rename).
-Right after writing, the file is read back and compared with the PyTorch model (checks).
+Tensors are declared from the safetensors headers first, then read, quantized and written one at a
+time, so the export never holds a second copy of the model. Right after writing, the file is read
+back and compared with the PyTorch model (checks).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -20,9 +23,10 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import gguf
+import numpy as np
 
 from exporters import gguf_model, gguf_vocab
 from exporters.gguf_names import F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
@@ -33,6 +37,7 @@ from laco_deploy.targets import GGUF
 
 log = logging.getLogger(__name__)
 
+F16 = gguf.GGMLQuantizationType.F16
 SOURCE_FILE = "laco_source.json"  # {"gguf": path}: the model was converted from this GGUF file
 
 
@@ -85,34 +90,62 @@ def _write(model_dir: Path, path: Path, plan, config: dict, spec: QuantSpec, lac
     writer.add_file_type(spec.file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     _write_laco_metadata(writer, laco)
-    fallbacks = _add_tensors(writer, model_dir, plan, config, spec.tensor_type)
+    fallbacks = _write_tensors(writer, model_dir, plan, config, spec.tensor_type)
     if fallbacks:
         notes.append(f"{len(fallbacks)} tensor(s) written as F16: rows not a multiple of the block size ({fallbacks[0]}...)")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
     writer.close()
     return notes
 
 
-def _add_tensors(writer, model_dir: Path, plan, config: dict, qtype) -> list[str]:
-    """Add every tensor, quantized to `qtype` where llama.cpp allows; return F16 fallbacks."""
-    fallbacks, written = [], set()
-    for name, data in [*gguf_model.extra_tensors(plan, config), *gguf_model.iter_tensors(model_dir, plan)]:
-        ttype = qtype
-        if data.ndim <= 1 or name.endswith(F32_SUFFIXES):
-            ttype = gguf.GGMLQuantizationType.F32
-        try:
-            packed = gguf.quants.quantize(data, ttype)
-        except gguf.QuantError:
-            ttype = gguf.GGMLQuantizationType.F16
-            packed = gguf.quants.quantize(data, ttype)
-            fallbacks.append(name)
-        writer.add_tensor(name, packed, raw_dtype=ttype)
-        written.add(name)
-    if plan.tied is False and "output.weight" not in written:
+def _write_tensors(writer, model_dir: Path, plan, config: dict, qtype) -> list[str]:
+    """Declare every tensor from the checkpoint headers, write the header, metadata and tensor infos,
+    then read, quantize and write the tensors one at a time: no second copy of the model is held.
+    Returns the tensors written as F16 because their rows fit no `qtype` block."""
+    tensors = _plan_tensors(model_dir, plan, config, qtype)
+    for name, t in tensors.items():
+        writer.add_tensor_info(name, *_packed_layout(t.shape, t.ttype), raw_dtype=t.ttype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in tensors.values():  # in the order of the tensor infos
+        writer.write_tensor_data(gguf.quants.quantize(t.read(), t.ttype))
+    return [name for name, t in tensors.items() if t.ttype == F16 and qtype != F16]
+
+
+class _Planned(NamedTuple):
+    shape: tuple[int, ...]  # HF [out, in] order
+    ttype: Any  # gguf.GGMLQuantizationType it is stored as
+    read: Callable[[], np.ndarray]  # its float32 data, read when written
+
+
+def _tensor_type(name: str, shape: tuple[int, ...], qtype) -> Any:
+    """What llama.cpp's converter stores: F32 for 1-D tensors and norms, F16 where the rows are not a
+    multiple of `qtype`'s block size, else `qtype`."""
+    if len(shape) <= 1 or name.endswith(F32_SUFFIXES):
+        return gguf.GGMLQuantizationType.F32
+    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return F16
+    return qtype
+
+
+def _plan_tensors(model_dir: Path, plan, config: dict, qtype) -> dict[str, _Planned]:
+    """GGUF name -> _Planned for every tensor, in file order, from the checkpoint headers alone."""
+    tensors = {name: _Planned(data.shape, _tensor_type(name, data.shape, qtype), lambda data=data: data)
+               for name, data in gguf_model.extra_tensors(plan, config)}
+    for e in gguf_model.tensor_entries(model_dir, plan):
+        tensors[e.name] = _Planned(e.shape, _tensor_type(e.name, e.shape, qtype), functools.partial(gguf_model.read_tensor, e))
+    if plan.tied is False and "output.weight" not in tensors:
         raise ExportError(f"{model_dir}: tie_word_embeddings is false but lm_head.weight is missing; re-save the model")
-    return fallbacks
+    return tensors
+
+
+def _packed_layout(shape: tuple[int, ...], ttype) -> tuple[tuple[int, ...], np.dtype, int]:
+    """(shape, dtype, bytes) of gguf.quants.quantize's output for a float32 tensor of `shape`."""
+    if ttype in (gguf.GGMLQuantizationType.F32, F16):
+        dtype = np.dtype(np.float32 if ttype == gguf.GGMLQuantizationType.F32 else np.float16)
+        return tuple(shape), dtype, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    packed = gguf.quants.quant_shape_to_byte_shape(shape, ttype)
+    return packed, np.dtype(np.uint8), int(np.prod(packed, dtype=np.int64))
 
 
 def _source_gguf(model_dir: Path) -> Path | None:

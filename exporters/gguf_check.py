@@ -48,21 +48,23 @@ def read_back(path: Path) -> dict[str, Any]:
 
 def parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS) -> dict[str, Any]:
     """llama.cpp vs PyTorch next-token logits on the same evaluation tokens, and tokenizer agreement."""
-    from laco_deploy.bench.llamacpp import LlamaCppRunner
-    from laco_deploy.bench.runner import TorchRunner
-    from laco_deploy.data import evaluation_stream, load_texts
-    from laco_deploy.models import load_model
+    from transformers import AutoTokenizer
 
-    loaded = load_model(str(model_dir))
-    stream = evaluation_stream(loaded.tokenizer, "builtin", max_tokens=n_tokens)
+    from laco_deploy.bench.llamacpp import LlamaCppRunner
+    from laco_deploy.data import evaluation_stream, load_texts
+    from laco_deploy.engine.forward import model_logits
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    stream = evaluation_stream(tokenizer, "builtin", max_tokens=n_tokens)
+    # the PyTorch reference runs on the layer engine (one decoder layer in memory), before llama.cpp loads
+    ref = model_logits(model_dir, stream, torch.device("cpu"), desc="parity check")
     runner = LlamaCppRunner(gguf_path, threads=1, n_ctx=max(n_tokens, 16))  # a check, not a speed run: 1 thread is robust on busy machines
     try:
-        ref = TorchRunner(loaded.model).logits(stream)
         cand = runner.logits(stream)
         out = {f"parity_{k}": round(v, 8) for k, v in logit_agreement(ref, cand).items()}
         out["parity_tokens"] = int(stream.numel())
         text = load_texts("builtin", "eval")[0][:2000]
-        hf_ids = loaded.tokenizer.encode(text, add_special_tokens=True)
+        hf_ids = tokenizer.encode(text, add_special_tokens=True)
         ll_ids = runner.tokenize(text)
     finally:
         runner.close()

@@ -177,11 +177,23 @@ def safetensor_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(model_dir: Path, plan: ModelPlan) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, float32 array in HF [out, in] order) for every tensor llama.cpp loads."""
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor llama.cpp loads, known from the checkpoint's header alone (no data read)."""
+
+    name: str  # GGUF name
+    key: str  # name in the safetensors file
+    file: Path
+    shape: tuple[int, ...]  # HF [out, in] order
+    rope_heads: int | None  # q/k projections: heads whose rows are reordered for llama.cpp's RoPE
+
+
+def tensor_entries(model_dir: Path, plan: ModelPlan) -> list[TensorEntry]:
+    """Every tensor llama.cpp loads, in file order, with its GGUF name and shape (headers only)."""
     from safetensors import safe_open
 
     names = gguf.get_tensor_name_map(plan.spec.arch, plan.n_layers)
+    out = []
     for path in safetensor_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
@@ -195,10 +207,25 @@ def iter_tensors(model_dir: Path, plan: ModelPlan) -> Iterator[tuple[str, np.nda
                 w = plan.widths[int(layer.group(1))] if layer else None
                 if w is not None and w["num_attention_heads"] == 0 and (".self_attn." in key or ".input_layernorm." in key):
                     continue  # attention-free layer: deci creates no attention tensors
-                tensor = f.get_tensor(key).to(torch.float32)
+                heads = None
                 if plan.spec.permute_qk and w is not None:
-                    if ".q_proj." in key:
-                        tensor = permute_rope_rows(tensor, w["num_attention_heads"])
-                    elif ".k_proj." in key:
-                        tensor = permute_rope_rows(tensor, w["num_key_value_heads"])
-                yield name, tensor.contiguous().numpy()
+                    heads = w["num_attention_heads"] if ".q_proj." in key else w["num_key_value_heads"] if ".k_proj." in key else None
+                out.append(TensorEntry(name, key, path, tuple(f.get_slice(key).get_shape()), heads))
+    return out
+
+
+def read_tensor(entry: TensorEntry) -> np.ndarray:
+    """The tensor's data: float32, in HF [out, in] order, q/k rows reordered for llama.cpp's RoPE."""
+    from safetensors import safe_open
+
+    with safe_open(str(entry.file), framework="pt") as f:
+        tensor = f.get_tensor(entry.key).to(torch.float32)
+    if entry.rope_heads is not None:
+        tensor = permute_rope_rows(tensor, entry.rope_heads)
+    return tensor.contiguous().numpy()
+
+
+def iter_tensors(model_dir: Path, plan: ModelPlan) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array in HF [out, in] order) for every tensor llama.cpp loads, one at a time."""
+    for entry in tensor_entries(model_dir, plan):
+        yield entry.name, read_tensor(entry)

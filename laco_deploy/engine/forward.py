@@ -42,8 +42,9 @@ class ModelStream:
         return len(decoder_layers(self.model))
 
 
-def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *, load_resident: Callable[[Path], Any],
-                offload: str = "cpu", workdir: Path | None = None) -> ModelStream:
+def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *,
+                load_resident: Callable[[Path], Any] | None = None, offload: str = "cpu",
+                workdir: Path | None = None) -> ModelStream:
     """Embed the windows input_ids [windows, seq] with the model in `path`.
 
     Safetensors checkpoints are opened lazily: only the embedding matrix is read, and dropped again
@@ -51,7 +52,7 @@ def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *, lo
     `load_resident(path)`, the one case where a full model sits in memory.
     """
     path = Path(path)
-    if any(path.glob("*.safetensors")):
+    if any(path.glob("*.safetensors")) or load_resident is None:
         lazy = LazyModel.open(path, rest=False)
         lazy.load_rest(EMBED)
         try:
@@ -126,3 +127,15 @@ class Head:
         else:
             self.norm.to("cpu")
             self.lm_head.to("cpu")
+
+
+def model_logits(path: Path, input_ids: torch.Tensor, device: torch.device, desc: str = "") -> torch.Tensor:
+    """Next-token logits of the safetensors model in `path` for one sequence, through the layer
+    engine (one decoder layer in memory). input_ids [seq] -> [seq, vocab] float32 on CPU."""
+    stream = open_stream(path, input_ids.view(1, -1), device)
+    walk_side_by_side({"model": stream}, device=device, batch_size=1, desc=desc)
+    head = Head(stream, device)
+    try:
+        return head(stream.hidden.data[0])
+    finally:
+        head.close()

@@ -74,7 +74,7 @@ def test_failed_write_leaves_no_file(tiny_llama_dir, tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(mod, "_add_tensors", boom)
+    monkeypatch.setattr(mod, "_write_tensors", boom)
     with pytest.raises(RuntimeError):
         export(tiny_llama_dir, tmp_path / "x.q4_k_m.gguf", "q4_k_m")
     assert list(tmp_path.iterdir()) == []
