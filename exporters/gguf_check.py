@@ -57,7 +57,7 @@ def parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS) -> d
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     stream = evaluation_stream(tokenizer, "builtin", max_tokens=n_tokens)
     # the PyTorch reference runs on the layer engine (one decoder layer in memory), before llama.cpp loads
-    ref = model_logits(model_dir, stream, torch.device("cpu"), desc="parity check")
+    ref = model_logits(model_dir, stream, torch.device("cpu"))
     runner = LlamaCppRunner(gguf_path, threads=1, n_ctx=max(n_tokens, 16))  # a check, not a speed run: 1 thread is robust on busy machines
     try:
         cand = runner.logits(stream)

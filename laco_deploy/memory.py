@@ -8,6 +8,8 @@ from the current footprint; `peak_delta_bytes` is the growth above the footprint
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import resource
 import sys
 import time
@@ -46,6 +48,17 @@ def _reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim), so that
+    what one stage loaded does not stay in the process's footprint for the next."""
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Union
 
 from laco_deploy import __version__
 from laco_deploy.fsutil import sha256_tree, write_json
-from laco_deploy.memory import measure
+from laco_deploy.memory import measure, release_memory
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +113,10 @@ class StageCache:
             self.save()
             return StageRun(old, handles)
         self.on_stage(name, "running")
+        release_memory()  # the stage's peak starts from what the build holds, not what earlier stages freed
         with measure(self.device) as m:
             result = fn()
+        release_memory()
         files = {
             label: {"path": str(p.relative_to(self.root)), "sha256": sha256_tree(p), "bytes": _size(p)}
             for label, p in outputs.items() if p.exists()

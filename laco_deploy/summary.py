@@ -23,6 +23,8 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         "exported": (export.get("model") or {}).get("path"),
         "export_size_mib": round((export.get("model") or {}).get("size_bytes", 0) / 2**20, 1),
         "stage_wall_s": {k: v.get("wall_s") for k, v in stages.items()},
+        "stage_peak_mib": {k: v.get("peak_mib") for k, v in stages.items()},
+        "memory_kind": next((v.get("memory_kind") for v in stages.values() if v.get("memory_kind")), None),
         "stage_reused": [k for k, v in stages.items() if v.get("reused")],
     }
     cands = {label: c.get("metrics", {}) for label, c in fid.get("candidates", {}).items()}
@@ -37,6 +39,7 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         out["gates_passed"] = verdict(fid)
     if bench:
         models = bench.get("models", {})
+        out["bench_child_peak_mib"] = max((m.get("peak_rss_mib") or 0 for m in models.values()), default=None)
         out["runtime"] = bench.get("runtime")
         out["ppl_runtime"] = {label: _median(m.get("ppl")) for label, m in models.items()}
         out["tg_tps"] = {label: _median(m.get("tg_tps")) for label, m in models.items()}
@@ -135,4 +138,11 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
     ran = sum(v for k, v in walls.items() if k not in reused and v is not None)
     lines.append("stages           " + "  ".join(f"{k}={'reused' if k in reused else ('-' if v is None else _fmt(v) + 's')}" for k, v in walls.items())
                  + f"  (total {_fmt(ran)}s)")
+    peaks = {k: v for k, v in (summary.get("stage_peak_mib") or {}).items() if v is not None and k not in reused}
+    if peaks:
+        kind = "peak RSS" if summary.get("memory_kind") == "rss" else "peak CUDA memory"
+        child = summary.get("bench_child_peak_mib")
+        lines.append(f"{kind:<17}" + "  ".join(f"{k}={v:.0f} MiB" for k, v in peaks.items())
+                     + f"  (max {max(peaks.values()):.0f} MiB"
+                     + (f"; benchmark processes {child:.0f} MiB)" if child else ")"))
     return lines

@@ -83,12 +83,13 @@ def _advance(stream: ModelStream, i: int, kwargs: dict[str, Any], device: torch.
 
 
 def walk_side_by_side(streams: dict[str, ModelStream], *, device: torch.device, batch_size: int = 8,
-                      on_layer: Callable[[int, dict[str, ModelStream]], None] | None = None, desc: str = "") -> None:
+                      on_layer: Callable[[int, dict[str, ModelStream]], None] | None = None, desc: str | None = "") -> None:
     """Advance every stream through all its decoder layers, depth by depth; after depth i call
-    `on_layer(i, streams)` (streams with fewer layers keep their last outputs)."""
+    `on_layer(i, streams)` (streams with fewer layers keep their last outputs). desc None: no bar."""
     kwargs = {label: kwargs_on(s.kwargs, device) for label, s in streams.items()}
     depth = max(s.num_layers for s in streams.values())
-    for i in progress_bar(range(depth), desc=desc or "layers", unit="layer"):
+    depths = range(depth) if desc is None else progress_bar(range(depth), desc=desc or "layers", unit="layer")
+    for i in depths:
         for label, stream in streams.items():
             if i < stream.num_layers:
                 _advance(stream, i, kwargs[label], device, batch_size)
@@ -129,11 +130,12 @@ class Head:
             self.lm_head.to("cpu")
 
 
-def model_logits(path: Path, input_ids: torch.Tensor, device: torch.device, desc: str = "") -> torch.Tensor:
+def model_logits(path: Path, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Next-token logits of the safetensors model in `path` for one sequence, through the layer
-    engine (one decoder layer in memory). input_ids [seq] -> [seq, vocab] float32 on CPU."""
+    engine (one decoder layer in memory; no progress bar: a short check). input_ids [seq] ->
+    [seq, vocab] float32 on CPU."""
     stream = open_stream(path, input_ids.view(1, -1), device)
-    walk_side_by_side({"model": stream}, device=device, batch_size=1, desc=desc)
+    walk_side_by_side({"model": stream}, device=device, batch_size=1, desc=None)
     head = Head(stream, device)
     try:
         return head(stream.hidden.data[0])

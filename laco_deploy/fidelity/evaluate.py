@@ -246,7 +246,7 @@ def _score_runtime(label: str, path: Path, windows: torch.Tensor, window_domain:
     runner = open_runner(path, device=tp.device, threads=fid_cfg.threads)
     try:
         st = _Stats(runner.name, None)
-        for w in progress_bar(range(windows.shape[0]), desc=f"fidelity {label}", unit="window"):
+        for w in progress_bar(range(windows.shape[0]), desc="fidelity", unit="window"):
             d_logits = tp.logits(DENSE, w)
             c_logits = _runner_logits(label, runner, windows[w])
             _check_logits(label, c_logits, d_logits, w)
