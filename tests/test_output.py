@@ -22,7 +22,8 @@ from laco_deploy.cli import output
 from laco_deploy.cli.output import Verbosity
 
 # Every `desc=` given to laco_deploy.progress.progress_bar / library_bar; the layer walk prefixes "layer i/n ".
-OUR_BARS = {"prune", "LaCo", "owl outliers", "layers", "fidelity", "llama.cpp bench", "onnxruntime bench", "converting GGUF"}
+OUR_BARS = {"prune", "LaCo", "owl outliers", "layers", "fidelity", "llama.cpp bench", "onnxruntime bench", "converting GGUF",
+            "parity check"}
 BAR = re.compile(r"^(?:layer \d+/\d+ )?(?P<desc>.+?): +\d+%\|")
 RECORD = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (?P<level>[A-Z]+) (?P<name>[\w.]+): (?P<message>.*)$")
 SMALL = """\
@@ -115,7 +116,7 @@ def _not_ours(stderr: str, ours: set[str]) -> list[str]:
         if not line:
             continue
         bar = BAR.match(line)
-        if bar and bar["desc"] in OUR_BARS:
+        if bar and (bar["desc"] in OUR_BARS or bar["desc"].split()[0] in OUR_BARS):  # "fidelity gguf-q8_0"
             continue
         if re.sub(r"^(warning|error): ", "", line) in ours:
             continue
