@@ -37,6 +37,7 @@ class Target:
     folder_marker: str = ""  # a folder holding this file is this target's output
     sparse_storage: bool = False  # the exporter can store sparse weights compactly
     follows_device: bool = False  # the runtime runs on the build's device (CUDA); else always on the CPU
+    context_option: str = ""  # the runner's keyword for its context length, sized to the longest sequence
     description: str = ""  # words for help texts
 
     def artifact_name(self, stem: str, quant: str) -> str:
@@ -58,12 +59,14 @@ class Target:
         """Where this target's runtime runs for a build on `device`: "cuda" or "cpu"."""
         return "cuda" if self.follows_device and str(device).startswith("cuda") else "cpu"
 
-    def open_runner(self, path: Path, device: Any = "cpu", threads: int | None = None):
-        """A CausalRunner over an export of this target (on `device` where the runtime follows it)."""
+    def open_runner(self, path: Path, device: Any = "cpu", threads: int | None = None, max_tokens: int | None = None):
+        """A CausalRunner over an export of this target (on `device` where the runtime follows it);
+        `max_tokens`: the longest sequence it will get (runtimes with a context size their buffers to it)."""
         cls = _load(self.runner)
+        options = {self.context_option: max_tokens} if self.context_option and max_tokens else {}
         if self.follows_device:
-            return cls(Path(path), device=str(device), threads=threads)
-        return cls(Path(path), threads=threads)
+            return cls(Path(path), device=str(device), threads=threads, **options)
+        return cls(Path(path), threads=threads, **options)
 
     def run_benchmark(self, models: dict[str, Path], *, eval_spec: str, cfg, device: str = "cpu"):
         return _load(self.benchmark)(models, eval_spec=eval_spec, cfg=cfg, device=device)
@@ -81,6 +84,7 @@ GGUF = Target(
     build_artifact="model.{quant}.gguf",
     file_suffix=".gguf",
     description="llama.cpp",
+    context_option="n_ctx",  # its logits buffers are n_ctx x vocab floats
 )
 
 ONNX = Target(

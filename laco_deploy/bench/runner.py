@@ -36,7 +36,8 @@ class TorchRunner:
         return out.logits[0].float().cpu()
 
 
-def open_runner(path: str | Path, device: torch.device | str = "cpu", threads: int | None = None) -> CausalRunner:
+def open_runner(path: str | Path, device: torch.device | str = "cpu", threads: int | None = None,
+                max_tokens: int | None = None) -> CausalRunner:
     """A runner for a candidate: an export of a target in targets.py (a .gguf file, an .onnx file or
     ONNX export folder) on that target's runtime, or a Hugging Face directory (PyTorch)."""
     p = Path(path)
@@ -44,7 +45,7 @@ def open_runner(path: str | Path, device: torch.device | str = "cpu", threads: i
         raise ModelError(f"candidate {path} not found; pass a Hugging Face directory, an .onnx file/folder or a .gguf file")
     target = target_for_path(p)
     if target is not None:
-        return target.open_runner(p, device=device, threads=threads)
+        return target.open_runner(p, device=device, threads=threads, max_tokens=max_tokens)
     from laco_deploy.models import load_model
 
     return TorchRunner(load_model(str(p)).model, device)

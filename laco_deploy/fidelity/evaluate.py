@@ -243,7 +243,7 @@ def _score_runtime(label: str, path: Path, windows: torch.Tensor, window_domain:
                    fid_cfg: FidelityConfig) -> _Stats:
     """One runtime candidate over every window against the dense logits; its runner is closed
     (and its memory released) before the next candidate opens."""
-    runner = open_runner(path, device=tp.device, threads=fid_cfg.threads)
+    runner = open_runner(path, device=tp.device, threads=fid_cfg.threads, max_tokens=windows.shape[1])
     try:
         st = _Stats(runner.name, None)
         for w in progress_bar(range(windows.shape[0]), desc="fidelity", unit="window"):

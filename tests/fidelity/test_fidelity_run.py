@@ -152,7 +152,7 @@ class _FakeRuntime:
 def _patch_runner(monkeypatch, trained_dir, transform):
     from laco_deploy.bench.runner import open_runner as real_open
 
-    def fake_open(path, device="cpu", threads=None):
+    def fake_open(path, device="cpu", threads=None, **_kw):
         if str(path).endswith(".onnx"):
             return _FakeRuntime(real_open(trained_dir).model, transform)
         return real_open(path, device=device, threads=threads)
