@@ -50,15 +50,22 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def release_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc's malloc_trim), so that
-    what one stage loaded does not stay in the process's footprint for the next."""
-    gc.collect()
+def trim_heap() -> None:
+    """Hand the free pages inside the heap back to the OS (glibc's malloc_trim). Layers loaded and
+    released one after another leave freed blocks between live ones; without this the footprint of
+    a streamed walk grew ~4 MiB per layer on SmolLM2-135M (+124 MiB over its 30 layers)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
         except (OSError, AttributeError):
             pass
+
+
+def release_memory() -> None:
+    """Collect garbage and trim the heap, so that what one stage loaded does not stay in the
+    process's footprint for the next."""
+    gc.collect()
+    trim_heap()
 
 
 @dataclass

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, atomic_path
+from laco_deploy.memory import trim_heap
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
@@ -131,6 +132,7 @@ class LazyModel:
     def layer_state(self, i: int, layer: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
         """Decoder layer i's tensors by name within the layer: from its spill file once processed,
         else from the source files. `layer`: the module whose names to read (default: layer i)."""
+        trim_heap()  # what the previous layer freed goes back to the OS before this one is read
         spill = self._spill_path(i)
         if spill is not None and i in self._spilled:
             with safe_open(str(spill), framework="pt") as handle:
@@ -148,6 +150,7 @@ class LazyModel:
                 save_file({k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}, str(tmp))
             self._spilled.add(i)
         layer.to("meta")
+        trim_heap()
 
     def _spill_path(self, i: int) -> Path | None:
         return Path(self.spill_dir) / f"spill_{i:03d}.safetensors" if self.spill_dir is not None else None
