@@ -61,6 +61,8 @@ EXAMPLES = {
         ("laco-deploy export --model recovered --target onnx --out model-onnx", "ONNX with KV cache, in a folder"),
     ],
     "inspect": [("laco-deploy inspect --model default", "")],
+    "plan": [("laco-deploy plan --model my-model/ --offload disk",
+              "peak RAM and GPU memory of each build stage, from the config alone")],
     "bench": [],
     "run": [("laco-deploy bench run --runtime llama.cpp dense=dense.gguf \\\n    laco=model.q8_0.gguf --out bench.json", "")],
     "compare": [("laco-deploy bench compare benchmarks/baselines/ci.json current.json \\\n    --markdown compare.md",

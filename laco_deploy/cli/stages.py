@@ -7,5 +7,6 @@ from laco_deploy.cli import (  # noqa: F401
     export_cmd,
     fidelity_cmd,
     inspect_cmd,
+    plan_cmd,
     prune_cmd,
 )

@@ -1,0 +1,67 @@
+"""`laco-deploy plan`: predict each build stage's peak host and device memory from the model's config."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from laco_deploy.cli import app
+from laco_deploy.cli.common import (
+    DeviceOpt,
+    EvalSamplesOpt,
+    ModelOpt,
+    SamplesOpt,
+    SeqlenOpt,
+    check,
+    console,
+    data_config,
+)
+from laco_deploy.config import BuildConfig, CompensateConfig, DataConfig, ModelConfig, PruneConfig
+
+_D, _M, _P = DataConfig(), ModelConfig(), PruneConfig()
+MIB = 2**20
+
+
+@app.command("plan")
+def plan_command(
+    model: ModelOpt = _M.model,
+    offload: Annotated[str, typer.Option("--offload", help="cpu: the pruned model resident while pruning and compensating; disk: decoder layers streamed from safetensors (what --offload disk of prune and compensate do).")] = _P.offload,
+    samples: SamplesOpt = _D.samples,
+    seqlen: SeqlenOpt = _D.seqlen,
+    eval_samples: EvalSamplesOpt = _D.eval_samples,
+    device: DeviceOpt = "cpu",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the estimates as JSON.")] = False,
+) -> None:
+    """Predict the peak memory of each stage of `laco-deploy build` for a model, before running it.
+
+    Reads the model's config only (no weights): per stage the peak resident memory of the process
+    (RSS) and, for a CUDA run, the peak device memory (one decoder layer, or a pair, with its
+    training state and activations). Checked against measured peaks by benchmarks/scale_bench.py.
+    """
+    import torch
+
+    from laco_deploy.memplan import Workload, estimate_build, model_bytes
+    from laco_deploy.models import local_model_dir
+
+    data = data_config(_D.calib, _D.eval, samples, seqlen, eval_samples, _D.seed)
+    cfg = BuildConfig(data=data, prune=PruneConfig(offload=offload), compensate=CompensateConfig(offload=offload))
+    check(cfg.validate())
+    sizes = model_bytes(local_model_dir(model))
+    job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"))
+    stages = estimate_build(sizes, job)
+    if as_json:
+        typer.echo(json.dumps({"model": model, "weights_bytes": sizes, "workload": job.__dict__,
+                               "stages": [{"stage": e.stage, "host_bytes": e.host_bytes, "device_bytes": e.device_bytes,
+                                           "terms": e.terms} for e in stages]}, indent=2))
+        return
+    console.print(f"model        {model}: {sizes['total'] / 4 / 1e6:.0f} M parameters, {sizes['total'] / MIB:.0f} MiB in fp32")
+    console.print(f"             {sizes['num_layers']} decoder layers, the largest {sizes['layer_max'] / MIB:.1f} MiB; offload {offload}")
+    console.print(f"{'stage':<12} {'RAM MiB':>8} {'GPU MiB':>8}  largest parts (MiB)")
+    for e in stages:
+        top = sorted(e.terms.items(), key=lambda kv: -kv[1])[:3]
+        console.print(f"{e.stage:<12} {e.host_bytes / MIB:8.0f} {e.device_bytes / MIB:8.0f}  "
+                      + ", ".join(f"{k} {v / MIB:.0f}" for k, v in top))
+    peak = max(stages, key=lambda e: e.host_bytes)
+    console.print(f"peak RAM     {peak.host_bytes / MIB:.0f} MiB ({peak.stage}); GPU: a CUDA run's device memory")

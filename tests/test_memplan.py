@@ -1,0 +1,75 @@
+"""The memory planner: weight sizes from the config alone, stage estimates that move the right way,
+and `laco-deploy plan`. (Its accuracy against measured peaks is benchmarks/scale_bench.py's job.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from laco_deploy.config import BuildConfig
+from laco_deploy.memplan import FP32, Workload, estimate_build, model_bytes
+
+
+def test_weight_sizes_from_the_config(tiny_llama_dir, tiny_llama_untied_dir):
+    from laco_deploy.models import load_model
+
+    for path, tied in ((tiny_llama_dir, True), (tiny_llama_untied_dir, False)):
+        model = load_model(str(path)).model
+        w = model_bytes(path)
+        layers = [sum(p.numel() for p in layer.parameters()) * FP32 for layer in model.model.layers]
+        assert w["total"] == sum(p.numel() for p in model.parameters()) * FP32
+        assert w["layers"] == sum(layers) and w["layer_max"] == max(layers) and w["num_layers"] == len(layers)
+        assert w["embed"] == model.model.embed_tokens.weight.numel() * FP32
+        assert (w["head"] == 0) == tied
+        assert w["total"] == w["layers"] + w["embed"] + w["head"] + model.model.norm.weight.numel() * FP32
+
+
+def test_structured_widths_are_counted_per_layer(tiny_llama_dir, tmp_path):
+    import shutil
+
+    src = tmp_path / "structured"
+    shutil.copytree(tiny_llama_dir, src)
+    config = json.loads((src / "config.json").read_text())
+    widths = [{"intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2},
+              {"intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1}]
+    config["laco_layer_widths"] = widths
+    (src / "config.json").write_text(json.dumps(config))
+    full, shrunk = model_bytes(tiny_llama_dir), model_bytes(src)
+    assert shrunk["layers"] < full["layers"] and shrunk["ffn_max"] == 128
+
+
+def _job(**kw) -> Workload:
+    return dataclasses.replace(Workload.of_build(BuildConfig(), torch.device("cpu")), **kw)
+
+
+def test_estimates_move_with_the_settings(tiny_llama_dir):
+    w = model_bytes(tiny_llama_dir)
+    ram = {e.stage: e for e in estimate_build(w, _job(prune_offload="cpu", compensate_offload="cpu"))}
+    disk = {e.stage: e for e in estimate_build(w, _job(prune_offload="disk", compensate_offload="disk"))}
+    assert disk["prune"].host_bytes < ram["prune"].host_bytes
+    assert disk["compensate"].host_bytes < ram["compensate"].host_bytes
+    more = {e.stage: e for e in estimate_build(w, _job(eval_windows=1000))}
+    assert more["fidelity"].host_bytes > ram["fidelity"].host_bytes
+    assert all(e.host_bytes == sum(e.terms.values()) for e in ram.values())
+    assert ram["compensate"].device_bytes > 5 * w["layer_max"]  # the layer pair + grads + AdamW
+
+
+def test_build_workload_follows_the_config():
+    job = Workload.of_build(BuildConfig(), torch.device("cpu"))
+    cfg = BuildConfig()
+    assert job.calib_samples == cfg.data.samples and job.seqlen == cfg.data.seqlen
+    assert job.compensate_samples == cfg.compensate.cpu_samples
+    assert job.eval_windows == cfg.data.eval_samples * 4  # builtin + three shipped domains
+    assert Workload.of_build(cfg, torch.device("cuda")).compensate_samples == cfg.compensate.gpu_samples
+
+
+def test_plan_command(cli, tiny_llama_dir):
+    code, out, _ = cli("plan", "--model", tiny_llama_dir, "--offload", "disk", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert [s["stage"] for s in doc["stages"]] == ["prune", "compensate", "export", "fidelity"]
+    assert doc["workload"]["prune_offload"] == "disk" and all(s["host_bytes"] > 0 for s in doc["stages"])
+    code, out, _ = cli("plan", "--model", tiny_llama_dir)
+    assert code == 0 and "compensate" in out and "peak RAM" in out
