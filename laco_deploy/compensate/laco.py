@@ -81,9 +81,10 @@ def layer_lr(cfg: CompensateConfig, index: int, num_layers: int) -> float:
     return cfg.lr * cfg.lr_last_factor ** (index / (num_layers - 1))
 
 
-def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfig, split) -> float:
+def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfig, split) -> tuple[float, bool]:
     """Closed-form start (compensate/lsq.py) on the training samples; returns the layer's held-out
-    nmse before it, so the record shows what the refit and the training each contributed."""
+    nmse before it (so the record shows what the refit and the training each contributed) and
+    whether the refit was kept."""
     watch = split[1] if len(split[1]) else split[0]
     before = trainer.evaluate(watch)
     start = {k: v.detach().clone() for k, v in ctx.layer.state_dict().items()}
@@ -92,7 +93,8 @@ def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfi
     if trainer.evaluate(watch)["loss"] > before["loss"]:  # never start from worse than the pruned layer
         ctx.layer.load_state_dict(start)
         log.debug("layer %d: least-squares refit raised the held-out loss; kept the pruned weights", ctx.index)
-    return before["nmse"]
+        return before["nmse"], False
+    return before["nmse"], True
 
 
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
@@ -110,10 +112,10 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
             resident = list(ctx.layer.parameters()) + list(ctx.dense_layer.parameters())
             trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
                                    ctx.device, seed + ctx.index, resident)
-            pruned_error = _refit(ctx, trainer, masks, cfg, split) if cfg.init == "lsq" else None
+            refit = _refit(ctx, trainer, masks, cfg, split) if cfg.init == "lsq" else None
             record = trainer.fit(ctx.progress)
-            if pruned_error is not None:
-                record["nmse_pruned"] = pruned_error
+            if refit is not None:
+                record["nmse_pruned"], record["refit_kept"] = refit
             del mid, data
         after = layer_masks(ctx.layer, targets)
         assert all(torch.equal(masks[k], after[k]) for k in masks), "mask changed during training"

@@ -30,7 +30,7 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_same_pattern(pruned: Path, comp: Path) -> None:
+def _assert_same_pattern(pruned: Path, comp: Path, require_change: bool = True) -> None:
     a, b = _weights(pruned), _weights(comp)
     assert a.keys() == b.keys()
     changed = 0
@@ -41,7 +41,7 @@ def _assert_same_pattern(pruned: Path, comp: Path) -> None:
             assert torch.equal(za, zb), f"{k}: zero pattern changed"
             assert not torch.signbit(b[k][zb]).any(), f"{k}: -0.0 written"
             changed += int(not torch.equal(a[k], b[k]))
-    assert changed > 0, "no weight was trained"
+    assert changed > 0 or not require_change, "no weight was trained"
 
 
 @pytest.mark.parametrize("fixture", ["sparse_unstructured_dir", "sparse_24_dir", "sparse_structured_dir"])

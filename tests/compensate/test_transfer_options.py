@@ -147,5 +147,6 @@ def test_lsq_refit_on_structured_and_qwen2_biases(tiny_llama_dir, sparse_structu
     _lowered(res.per_layer)
     sparse = make_unstructured(tiny_qwen2_dir, tmp_path / "qwen_sparse")
     res = run(ModelConfig(model=str(tiny_qwen2_dir)), DATA, _cfg(epochs=0, init="lsq"), sparse, tmp_path / "qwen")
-    _assert_same_pattern(sparse, tmp_path / "qwen")
+    # the guard may keep the pruned weights of a layer (held-out loss rose): then nothing has to change
+    _assert_same_pattern(sparse, tmp_path / "qwen", require_change=any(r["refit_kept"] for r in res.per_layer))
     _lowered(res.per_layer)
