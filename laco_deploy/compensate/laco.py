@@ -21,7 +21,16 @@ from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, split_indices
 from laco_deploy.config import CompensateConfig
-from laco_deploy.engine import LayerContext, LayerLoader, Paths, capture_layer_inputs, walk_layers
+from laco_deploy.engine import (
+    Lane,
+    LayerCheckpoints,
+    LayerContext,
+    LayerLoader,
+    Paths,
+    WalkOptions,
+    capture_layer_inputs,
+    walk_layers,
+)
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.memory import Measurement, current_rss_bytes, measure
 from laco_deploy.models import decoder_layers
@@ -143,7 +152,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
-        records = walk_layers(sparse_model, inputs, step, paths=Paths.BOTH, device=device, dense_model=dense_model,
-                              batch_size=cfg.batch_size, checkpoint_dir=checkpoint_dir, fingerprint=fingerprint,
-                              resume=resume, desc="LaCo", layer_loader=layer_loader, dense_loader=dense_loader)
+        records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
+                              WalkOptions(device, cfg.batch_size, "LaCo"), paths=Paths.BOTH,
+                              dense=Lane(dense_model, loader=dense_loader),
+                              checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume))
     return records

@@ -6,16 +6,20 @@ stay on CPU and activations live in an ActivationCache on CPU or memory-mapped o
 
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
+from laco_deploy.engine.checkpoint import LayerCheckpoints
 from laco_deploy.engine.lazy import LazyModel
-from laco_deploy.engine.walk import LayerContext, LayerLoader, Paths, walk_layers
+from laco_deploy.engine.walk import Lane, LayerContext, LayerLoader, Paths, WalkOptions, walk_layers
 
 __all__ = [
     "ActivationCache",
+    "Lane",
+    "LayerCheckpoints",
     "LayerContext",
     "LayerInputs",
     "LayerLoader",
     "LazyModel",
     "Paths",
+    "WalkOptions",
     "capture_layer_inputs",
     "walk_layers",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from laco_deploy.config import PruneConfig
-from laco_deploy.engine import LayerInputs, Paths, walk_layers
+from laco_deploy.engine import Lane, LayerInputs, WalkOptions, walk_layers
 from laco_deploy.fsutil import write_json
 from laco_deploy.models import linear_modules
 from laco_deploy.prune.scoring import wanda_scores
@@ -72,8 +72,8 @@ def layer_ratios(model, inputs: LayerInputs, cfg: PruneConfig, *, device: torch.
             return [float(r) for r in cached["ratios"]]
     probe = inputs.hidden.clone_empty()
     probe.copy_from(inputs.hidden)  # the walk overwrites its buffers; keep the embeddings for pruning
-    records = walk_layers(model, LayerInputs(probe, inputs.kwargs), _outlier_step(cfg), paths=Paths.SPARSE,
-                          device=device, batch_size=batch_size, desc="owl outliers", layer_loader=loader)
+    records = walk_layers(Lane(model, LayerInputs(probe, inputs.kwargs), loader), _outlier_step(cfg),
+                          WalkOptions(device, batch_size, "owl outliers"))
     ratios = owl_ratios([r["outliers"] for r in records], cfg.sparsity, cfg.owl_lambda)
     log.info("OWL layer ratios: %s", [round(r, 4) for r in ratios])
     if cache_file is not None:

@@ -25,7 +25,7 @@ from laco_deploy.config import (
     PruneConfig,
     to_dict,
 )
-from laco_deploy.engine import LazyModel, Paths, capture_layer_inputs, walk_layers
+from laco_deploy.engine import Lane, LayerCheckpoints, LazyModel, WalkOptions, capture_layer_inputs, walk_layers
 from laco_deploy.errors import ConfigError
 from laco_deploy.memory import measure
 from laco_deploy.models import (
@@ -107,9 +107,9 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
     ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=prune_cfg.batch_size,
                               cache_file=ckpt / "owl.json", resume=resume,
                               loader=src.lazy.without_spill() if src.lazy is not None else None)
-    records = walk_layers(src.model, inputs, _make_step(prune_cfg, ratios), paths=Paths.SPARSE, device=device,
-                          batch_size=prune_cfg.batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint, resume=resume,
-                          desc="prune", layer_loader=src.lazy)
+    records = walk_layers(Lane(src.model, inputs, src.lazy), _make_step(prune_cfg, ratios),
+                          WalkOptions(device, prune_cfg.batch_size, "prune"),
+                          checkpoints=LayerCheckpoints(ckpt, fingerprint, resume))
     return records, ratios
 
 

@@ -5,11 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laco_deploy.engine import ActivationCache, Paths, capture_layer_inputs, walk_layers
+from laco_deploy.engine import (
+    ActivationCache,
+    Lane,
+    LayerCheckpoints,
+    Paths,
+    WalkOptions,
+    capture_layer_inputs,
+    walk_layers,
+)
 from laco_deploy.errors import ConfigError
 from laco_deploy.models import load_model
 
 CPU = torch.device("cpu")
+OPTS = WalkOptions(CPU)
 
 
 def _ids(n=5, seq=12, seed=0):
@@ -30,7 +39,7 @@ def test_walk_reproduces_the_forward_pass(fixture, offload, request, tmp_path):
     ids = _ids()
     inputs = capture_layer_inputs(model, ids, CPU, offload=offload, workdir=tmp_path)
     seen = []
-    walk_layers(model, inputs, None, paths=Paths.SPARSE, device=CPU, batch_size=2,
+    walk_layers(Lane(model, inputs), None, WalkOptions(CPU, batch_size=2),
                 on_layer_done=lambda i, rec, sparse, dense: seen.append(sparse.data.clone()))
     expected = _hidden_states(model, ids)
     assert len(seen) == len(expected) == 2
@@ -60,8 +69,8 @@ def test_both_paths_give_dense_targets_and_sparse_inputs(tiny_llama_dir):
         assert ctx.dense_layer is not ctx.layer
         return _zero_first_rows(ctx)
 
-    walk_layers(sparse, capture_layer_inputs(sparse, ids, CPU), step, paths=Paths.BOTH, device=CPU, dense_model=dense,
-                batch_size=3)
+    walk_layers(Lane(sparse, capture_layer_inputs(sparse, ids, CPU)), step, WalkOptions(CPU, batch_size=3),
+                paths=Paths.BOTH, dense=Lane(dense))
     sparse_in1, dense_in1, target0 = seen[1][0], seen[1][1], seen[0][2]
     assert torch.allclose(target0, expected_dense[0], atol=1e-5)
     assert torch.allclose(dense_in1, expected_dense[0], atol=1e-5)
@@ -73,8 +82,8 @@ def test_both_paths_give_dense_targets_and_sparse_inputs(tiny_llama_dir):
 def test_checkpoint_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
     ids = _ids(6)
     ref = load_model(str(tiny_llama_dir)).model
-    ref_records = walk_layers(ref, capture_layer_inputs(ref, ids, CPU), _zero_first_rows, paths=Paths.SPARSE,
-                              device=CPU, checkpoint_dir=tmp_path / "ref", fingerprint={"a": (1, 2)})
+    ref_records = walk_layers(Lane(ref, capture_layer_inputs(ref, ids, CPU)), _zero_first_rows, OPTS,
+                              checkpoints=LayerCheckpoints(tmp_path / "ref", {"a": (1, 2)}))
 
     def failing(ctx):
         if ctx.index == 1:
@@ -84,19 +93,20 @@ def test_checkpoint_resume_equals_uninterrupted(tiny_llama_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     first = load_model(str(tiny_llama_dir)).model
     with pytest.raises(RuntimeError):
-        walk_layers(first, capture_layer_inputs(first, ids, CPU), failing, paths=Paths.SPARSE, device=CPU,
-                    checkpoint_dir=ckpt, fingerprint={"a": (1, 2)})
+        walk_layers(Lane(first, capture_layer_inputs(first, ids, CPU)), failing, OPTS,
+                    checkpoints=LayerCheckpoints(ckpt, {"a": (1, 2)}))
     assert sorted(p.name for p in ckpt.iterdir()) == ["layer_000.json", "layer_000.safetensors", "meta.json"]
     calls = []
     second = load_model(str(tiny_llama_dir)).model  # a fresh process would reload the dense weights
-    records = walk_layers(second, capture_layer_inputs(second, ids, CPU), lambda c: calls.append(c.index) or _zero_first_rows(c),
-                          paths=Paths.SPARSE, device=CPU, checkpoint_dir=ckpt, fingerprint={"a": (1, 2)}, resume=True)
+    records = walk_layers(Lane(second, capture_layer_inputs(second, ids, CPU)),
+                          lambda c: calls.append(c.index) or _zero_first_rows(c), OPTS,
+                          checkpoints=LayerCheckpoints(ckpt, {"a": (1, 2)}, resume=True))
     assert calls == [1] and records == ref_records
     for (name, a), b in zip(ref.state_dict().items(), second.state_dict().values()):
         assert torch.equal(a, b), name
     with pytest.raises(ConfigError, match="other settings"):
-        walk_layers(second, capture_layer_inputs(second, ids, CPU), None, paths=Paths.SPARSE, device=CPU,
-                    checkpoint_dir=ckpt, fingerprint={"a": (1, 3)}, resume=True)
+        walk_layers(Lane(second, capture_layer_inputs(second, ids, CPU)), None, OPTS,
+                    checkpoints=LayerCheckpoints(ckpt, {"a": (1, 3)}, resume=True))
 
 
 def test_resume_restores_shrunk_linears(tiny_llama_dir, tmp_path):
@@ -118,11 +128,11 @@ def test_resume_restores_shrunk_linears(tiny_llama_dir, tmp_path):
 
     model = load_model(str(tiny_llama_dir)).model
     with pytest.raises(RuntimeError):
-        walk_layers(model, capture_layer_inputs(model, ids, CPU), shrink, paths=Paths.SPARSE, device=CPU,
-                    checkpoint_dir=tmp_path, fingerprint={})
+        walk_layers(Lane(model, capture_layer_inputs(model, ids, CPU)), shrink, OPTS,
+                    checkpoints=LayerCheckpoints(tmp_path, {}))
     fresh = load_model(str(tiny_llama_dir)).model
-    walk_layers(fresh, capture_layer_inputs(fresh, ids, CPU), lambda c: {}, paths=Paths.SPARSE, device=CPU,
-                checkpoint_dir=tmp_path, fingerprint={}, resume=True)
+    walk_layers(Lane(fresh, capture_layer_inputs(fresh, ids, CPU)), lambda c: {}, OPTS,
+                checkpoints=LayerCheckpoints(tmp_path, {}, resume=True))
     assert fresh.model.layers[0].mlp.down_proj.weight.shape == (64, 64)
     assert fresh.model.layers[0].mlp.down_proj.in_features == 64
     assert torch.equal(fresh.model.layers[0].mlp.up_proj.weight, model.model.layers[0].mlp.up_proj.weight)
@@ -155,13 +165,13 @@ def test_lazy_model_streams_one_layer_at_a_time(fixture, request, tmp_path):
         return _zero_first_rows(ctx)
 
     seen = []
-    walk_layers(lazy.model, capture_layer_inputs(lazy.model, ids, CPU), step, paths=Paths.SPARSE, device=CPU,
-                layer_loader=lazy, on_layer_done=lambda i, r, s, d: seen.append(s.data.clone()))
+    walk_layers(Lane(lazy.model, capture_layer_inputs(lazy.model, ids, CPU), lazy), step, OPTS,
+                on_layer_done=lambda i, r, s, d: seen.append(s.data.clone()))
     assert on_device == [[True, False], [False, True]]
     assert all(p.is_meta for p in layers.parameters())
     eager = load_model(str(src)).model
     eager_seen = []
-    walk_layers(eager, capture_layer_inputs(eager, ids, CPU), _zero_first_rows, paths=Paths.SPARSE, device=CPU,
+    walk_layers(Lane(eager, capture_layer_inputs(eager, ids, CPU)), _zero_first_rows, OPTS,
                 on_layer_done=lambda i, r, s, d: eager_seen.append(s.data.clone()))
     assert all(torch.equal(a, b) for a, b in zip(seen, eager_seen))
     lazy.save(tmp_path / "out", None)  # sharded, without a tokenizer
