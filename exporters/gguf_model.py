@@ -86,6 +86,10 @@ def plan_model(config: dict[str, Any]) -> ModelPlan:
             raise ExportError(f"layer {i} has no FFN channels left; llama.cpp's per-layer graph (deci) would drop its "
                               "attention too. Prune less than all channels of a layer")
     per_layer = any(w != widths[0] for w in widths)
+    if per_layer and not ARCHITECTURES[hf_arch].per_layer_as_deci:
+        raise ExportError(f"{hf_arch} with widths that differ between layers cannot be written as GGUF: llama.cpp's "
+                          f"{gguf.MODEL_ARCH_NAMES[ARCHITECTURES[hf_arch].arch]} graph has one width for all layers and "
+                          "its per-layer graph (deci) lacks this family's norms. Prune every layer by the same ratio")
     spec = STRUCTURED if per_layer else ARCHITECTURES[hf_arch]
     return ModelPlan(hf_arch, spec, n_layers, hidden, head_dim, n_vocab, widths, per_layer,
                      config.get("tie_word_embeddings"))

@@ -28,6 +28,9 @@ class ArchSpec:
     # HF rotates the two halves of each head; the converter therefore reorders the rows of
     # q_proj/k_proj (and their biases) inside every head. Qwen2 uses NEOX RoPE: no reordering.
     permute_qk: bool
+    # Per-layer widths (structured pruning with widths that differ between layers) are written as
+    # `deci`, a Llama graph: only for families whose layers are Llama's (no q/k norms, no extra norms).
+    per_layer_as_deci: bool = True
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -38,6 +41,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     # Qwen2 / Qwen2.5: arch `qwen2`, q/k/v biases (attn_q.bias ...), NEOX RoPE, usually untied.
     "Qwen2ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
+    # Qwen3: arch `qwen3`, Qwen2's hyper-parameters plus per-head q/k RMSNorms (attn_q_norm,
+    # attn_k_norm, [head_dim]); NEOX RoPE, no biases; small models tie the head.
+    "Qwen3ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN3, permute_qk=False, per_layer_as_deci=False),
 }
 MODEL_TYPES = families.MODEL_TYPES  # config.json model_type -> the class above (laco_deploy/families.py)
 

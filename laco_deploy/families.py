@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",  # Llama 1/2/3, SmolLM, TinyLlama
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",  # Qwen2 / Qwen2.5
+    "Qwen3ForCausalLM": "qwen3",  # Qwen3 dense: RMSNorm on each head's queries and keys (q_norm, k_norm)
 }
 MODEL_TYPES = {family: arch for arch, family in ARCHITECTURES.items()}  # model_type -> class
-NAMES = "Llama, SmolLM, Mistral, Qwen2"  # for messages
+NAMES = "Llama, SmolLM, Mistral, Qwen2, Qwen3"  # for messages

@@ -212,11 +212,13 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
     _check_gguf_readable(gguf)
     try:
+        config = _gguf_config(gguf)
         with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF", "tensor"):
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                         dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except (ValueError, OSError, KeyError, RuntimeError) as e:
-        raise ModelError(f"cannot load GGUF {gguf}: {e}; check the file is a complete llama/mistral/qwen2 GGUF") from e
+        raise ModelError(f"cannot load GGUF {gguf}: {e}; check the file is a complete GGUF of a supported family ({families.NAMES})") from e
     check_architecture(model.config)
     # transformers marks GGUF-loaded models as quantized; the weights are already plain floats
     model.hf_quantizer = None
@@ -226,6 +228,22 @@ def ensure_gguf_converted(gguf: Path) -> Path:
         tok.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf)}))
     return target
+
+
+def _gguf_config(gguf: Path):
+    """transformers' config for a GGUF file, with the keys its GGUF mapping does not read filled in
+    from the file: head_dim from `{arch}.attention.key_length` (Qwen3 and Gemma heads are not
+    hidden / heads wide; without it the layers are built at the wrong size)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    reader = GGUFReader(str(gguf), "r")
+    arch = reader.get_field("general.architecture").contents()
+    key_length = reader.get_field(f"{arch}.attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length.contents())
+    return config
 
 
 def _check_gguf_readable(gguf: Path) -> None:

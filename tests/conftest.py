@@ -72,3 +72,9 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
 @pytest.fixture()
 def cli(capsys):
     return lambda *args: run_cli(list(args), capsys)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """2-layer Qwen3: per-head q/k RMSNorms, explicit head_dim, tied head."""
+    return tiny.save_tiny(tiny.build_model(tiny.qwen3_config(), seed=5), bpe_tokenizer, tmp_path_factory.mktemp("tiny_qwen3"))

@@ -65,6 +65,15 @@ def qwen2_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
                        tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=0, eos_token_id=0)
 
 
+def qwen3_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
+    """Qwen3: q/k norms over head_dim, head_dim given explicitly, tied head (as Qwen3-0.6B)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=0, eos_token_id=0)
+
+
 def build_model(config, seed: int = 0):
     """Random-init causal LM with weights scaled so activations look trained-ish (not all tiny)."""
     from transformers import AutoModelForCausalLM
