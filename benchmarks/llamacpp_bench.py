@@ -106,7 +106,7 @@ def export_all(dirs: dict[str, Path], types: list[str], work: Path) -> tuple[dic
 @torch.no_grad()
 def round_trip(dense: Path, files: dict[str, Path], windows: int, ctx: int) -> dict[str, dict]:
     """llama.cpp vs PyTorch on the same evaluation tokens, per GGUF type."""
-    from exporters.gguf_check import logit_agreement
+    from laco_deploy.bench.parity import logit_agreement
     from laco_deploy.bench.llamacpp import LlamaCppRunner
     from laco_deploy.bench.runner import TorchRunner
     from laco_deploy.data import evaluation_windows

@@ -8,7 +8,7 @@ Q5_K_M and Q6_K are made by writing an F32 file next to the output and running
 `llama_cpp.llama_model_quantize` on it. The file appears only when complete (atomic rename).
 Tensors are declared from the safetensors headers first, then read, quantized and written one at a
 time, so the export never holds a second copy of the model. Right after writing, the file is read
-back and compared with the PyTorch model (checks).
+back, then handed to the caller's runtime check (`check=`: llama.cpp against PyTorch).
 """
 
 from __future__ import annotations
@@ -41,10 +41,13 @@ F16 = gguf.GGMLQuantizationType.F16
 SOURCE_FILE = "laco_source.json"  # {"gguf": path}: the model was converted from this GGUF file
 
 
-def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None = None) -> ExportResult:
+def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None = None,
+           check: Callable[[Path, Path], dict] | None = None) -> ExportResult:
     """Write `model_dir` (HF safetensors directory) as a GGUF file of type `quant`.
 
     `metadata` (and config.json's `laco_deploy` dict) are recorded under `laco_deploy.*` keys.
+    `check(model_dir, gguf_path) -> dict`: the runtime parity check (targets.GGUF passes
+    laco_deploy.bench.parity.gguf_parity); its results join the read-back checks.
     """
     t0 = time.perf_counter()
     quant = str(quant).lower()
@@ -64,10 +67,11 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
                 f32 = Path(work) / "f32.gguf"
                 notes = _write(model_dir, f32, plan, config, QUANTS["f32"], laco)
                 _llama_quantize(f32, tmp, spec)
-    from exporters.gguf_check import parity, read_back
+    from exporters.gguf_check import read_back
 
     checks = read_back(out_path)
-    checks.update(parity(model_dir, out_path))
+    if check is not None:
+        checks.update(check(model_dir, out_path))
     if plan.per_layer:
         notes.append(f"per-layer widths: written as architecture {plan.arch_name} (llama.cpp reads per-layer "
                      "feed_forward_length and head counts)")

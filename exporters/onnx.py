@@ -1,6 +1,9 @@
-"""ONNX export of a Hugging Face decoder with KV cache, checked against PyTorch in onnxruntime.
+"""ONNX export of a Hugging Face decoder with KV cache.
 
-    export(model_dir, out_dir, "fp32" | "fp16" | "int8", sparse_storage=False) -> ExportResult
+    export(model_dir, out_dir, "fp32" | "fp16" | "int8", sparse_storage=False, check=None) -> ExportResult
+
+The runtime check against PyTorch in onnxruntime is the caller's (`check=`, see
+laco_deploy.bench.parity.onnx_parity), so this module runs no model itself.
 
 The output folder is laid out like optimum's ONNX exports, so `ORTModelForCausalLM` can open it:
 
@@ -23,7 +26,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -38,15 +41,16 @@ log = logging.getLogger(__name__)
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx_data"
 INT8_BLOCK = 32  # int8 weights: input-dimension block sharing one scale
-PARITY_PREFILL, PARITY_DECODE = 128, 16  # evaluation tokens prefilled, then decoded one by one
-GREEDY_PROMPT, GREEDY_NEW = 16, 16  # prompt tokens and greedily generated tokens compared
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
            "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool = False,
-           metadata: dict | None = None) -> ExportResult:
-    """Export `model_dir` to the folder `out_dir` (written atomically) and check it in onnxruntime."""
+           metadata: dict | None = None, check: Callable[[Any, Any, Path], dict] | None = None) -> ExportResult:
+    """Export `model_dir` to the folder `out_dir` (written atomically).
+
+    `check(model, tokenizer, folder) -> dict`: the runtime parity check, run on the finished folder
+    before it is renamed into place (targets.ONNX passes laco_deploy.bench.parity.onnx_parity)."""
     t0 = time.perf_counter()
     model_dir, out_dir, quant = Path(model_dir), Path(out_dir), str(quant).lower()
     _check_request(model_dir, out_dir, quant)
@@ -62,8 +66,9 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
             checks["storage"] = _store_sparse(proto, tmp, dense_bytes, notes)
         del proto
         _copy_side_files(model_dir, tmp, tokenizer)
-        log.info("checking the export against PyTorch in onnxruntime")
-        checks.update(_parity(model, tokenizer, tmp))
+        if check is not None:
+            log.info("checking the export against PyTorch in onnxruntime")
+            checks.update(check(model, tokenizer, tmp))
         size = model_bytes(tmp)
         tmp.chmod(0o755)  # mkdtemp made it private; an export folder is meant to be shared
     if getattr(config, "laco_layer_widths", None):
@@ -245,20 +250,3 @@ def _copy_side_files(model_dir: Path, tmp: Path, tokenizer) -> None:
     for name in _COPIED:
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, tmp / name)
-
-
-def _parity(model, tokenizer, folder: Path) -> dict:
-    """Logit parity (prefill + decode) and greedy-text match against the fp32 PyTorch model."""
-    from exporters.onnx_parity import greedy_match, logit_parity
-    from laco_deploy.bench.onnxrt import OrtDecoder
-    from laco_deploy.data import evaluation_stream
-
-    stream = evaluation_stream(tokenizer, "builtin", PARITY_PREFILL + PARITY_DECODE)
-    prefill = min(PARITY_PREFILL, max(1, stream.numel() - PARITY_DECODE))
-    decoder = OrtDecoder(folder, device="cpu")
-    try:
-        parity = logit_parity(model, decoder, stream, prefill)
-        greedy = greedy_match(model, decoder, stream[:GREEDY_PROMPT], GREEDY_NEW)
-    finally:
-        del decoder
-    return {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}

@@ -79,7 +79,7 @@ class Workload:
     eval_windows: int  # all evaluation domains together
     torch_candidates: int  # fidelity: pruned (and recovered)
     runtime_candidates: int  # fidelity: the export
-    parity_tokens: int = 128  # export: the llama.cpp vs PyTorch check (exporters.gguf_check.PARITY_TOKENS)
+    parity_tokens: int = 128  # export: the llama.cpp vs PyTorch check (bench.parity.PARITY_TOKENS)
 
     @classmethod
     def of_build(cls, cfg, device) -> Workload:

@@ -28,7 +28,8 @@ class Target:
     runtime: str  # the --runtime value of `bench run`, and BenchResult.runtime
     quant_types: tuple[str, ...]  # weight types the exporter writes
     default_quant: str
-    exporter: str  # "module:function" (model_dir, dest, quant, **options) -> ExportResult
+    exporter: str  # "module:function" (model_dir, dest, quant, check=, **options) -> ExportResult
+    check: str  # "module:function" the runtime parity check the exporter calls on what it wrote
     runner: str  # "module:class" CausalRunner(path, device=..., threads=...)
     benchmark: str  # "module:function" (models, *, eval_spec, cfg, device) -> BenchResult
     artifact: str  # export name next to a model: format(stem=, quant=)
@@ -51,9 +52,9 @@ class Target:
         return bool(self.folder_marker) and path.is_dir() and (path / self.folder_marker).is_file()
 
     def export(self, model_dir: Path, dest: Path, quant: str, *, sparse_storage: bool = False):
-        """Run this target's exporter; -> ExportResult."""
+        """Run this target's exporter with its runtime parity check; -> ExportResult."""
         options = {"sparse_storage": sparse_storage} if self.sparse_storage else {}
-        return _load(self.exporter)(Path(model_dir), Path(dest), quant, **options)
+        return _load(self.exporter)(Path(model_dir), Path(dest), quant, check=_load(self.check), **options)
 
     def runtime_device(self, device: Any) -> str:
         """Where this target's runtime runs for a build on `device`: "cuda" or "cpu"."""
@@ -78,6 +79,7 @@ GGUF = Target(
     quant_types=("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"),  # = exporters.gguf_names.QUANTS
     default_quant="q8_0",
     exporter="exporters.gguf:export",
+    check="laco_deploy.bench.parity:gguf_parity",
     runner="laco_deploy.bench.llamacpp:LlamaCppRunner",
     benchmark="laco_deploy.bench.llamacpp_bench:run_benchmark",
     artifact="{stem}.{quant}.gguf",
@@ -93,6 +95,7 @@ ONNX = Target(
     quant_types=("fp32", "fp16", "int8"),
     default_quant="fp32",
     exporter="exporters.onnx:export",
+    check="laco_deploy.bench.parity:onnx_parity",
     runner="laco_deploy.bench.onnxrt:OrtRunner",
     benchmark="laco_deploy.bench.onnxrt_bench:run_benchmark",
     artifact="{stem}-onnx-{quant}",

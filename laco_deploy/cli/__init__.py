@@ -1,6 +1,6 @@
 """The `laco-deploy` command line. The only place that prints or exits.
 
-Each command lives in its own module (one per stage) and registers itself on `app`.
+Each command lives in its own module (one per stage) and registers itself on `app` (cli/app.py).
 Library errors (LacoError) become one line on stderr and a non-zero exit; `--debug` shows the
 traceback instead.
 """
@@ -18,55 +18,11 @@ try:  # recent typer vendors click; older ones use the click package
 except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
 
-from laco_deploy import __version__
-from laco_deploy.cli import output
-from laco_deploy.cli.common import console, err_console, state
-from laco_deploy.cli.output import Verbosity
+# the app (cli/app.py), then every command module registering on it (stages.py), then their help epilogs
+from laco_deploy.cli import helptext, stages  # noqa: F401
+from laco_deploy.cli.app import app
+from laco_deploy.cli.common import err_console, state
 from laco_deploy.errors import LacoError
-
-app = typer.Typer(
-    name="laco-deploy",
-    help=(
-        "Prune an LLM, repair it with LaCo layer-wise compensation, check its fidelity against the "
-        "dense model, and ship it as GGUF (llama.cpp) or ONNX (onnxruntime).\n\n"
-        "Start with `laco-deploy build --target gguf`: it runs every stage on the embedded default "
-        "model (SmolLM2-135M-Instruct) and builtin Wikipedia text. Each stage is also its own command."
-    ),
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        console.print(f"laco-deploy {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and every library's debug logs."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show other libraries' log lines, progress bars and warnings (hidden by default)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr (for CI); results still go to stdout."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-    threads: int = typer.Option(
-        None, "--threads", min=1, envvar="LACO_DEPLOY_THREADS",
-        help="PyTorch CPU threads for pruning, compensation and fidelity (default: PyTorch's, usually all "
-        "cores). On a busy machine 1 is often several times faster than oversubscribed cores. "
-        "Runtime benchmarks have their own --threads."),
-) -> None:
-    state.debug = debug
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
-    output.configure(Verbosity.DEBUG if debug else Verbosity.VERBOSE if verbose else Verbosity.QUIET if quiet else Verbosity.NORMAL)
-
-
-# Register the stage commands (each module adds its command to `app`), then their examples and exit codes.
-from laco_deploy.cli import helptext, stages  # noqa: E402,F401
 
 helptext.attach(app)
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from laco_deploy.cli import app
+from laco_deploy.cli.app import app
 from laco_deploy.cli.common import check, console, parse_labeled_paths
 from laco_deploy.config import BenchConfig
 from laco_deploy.errors import ConfigError

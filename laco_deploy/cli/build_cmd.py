@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy import __version__
-from laco_deploy.cli import app, output
+from laco_deploy.cli import output
+from laco_deploy.cli.app import app
 from laco_deploy.cli.common import console
 from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.errors import GateFailed

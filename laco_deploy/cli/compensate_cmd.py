@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from laco_deploy.cli import app
+from laco_deploy.cli.app import app
 from laco_deploy.cli.common import CalibOpt, DeviceOpt, SeedOpt, SeqlenOpt, check, console, model_config
 from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
 from laco_deploy.fsutil import check_writable

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from laco_deploy.cli import app
+from laco_deploy.cli.app import app
 from laco_deploy.cli.common import check, console
 from laco_deploy.config import DEFAULT_MODEL, ExportConfig
 from laco_deploy.fsutil import check_writable

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from laco_deploy.cli import app
+from laco_deploy.cli.app import app
 from laco_deploy.cli.common import AllowPickleOpt, ModelOpt, console, model_config
 from laco_deploy.config import DEFAULT_MODEL
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from laco_deploy.cli import app
+from laco_deploy.cli.app import app
 from laco_deploy.cli.common import (
     DeviceOpt,
     EvalSamplesOpt,

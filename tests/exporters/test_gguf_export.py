@@ -12,6 +12,7 @@ from laco_deploy.errors import ExportError
 
 pytest.importorskip("llama_cpp")
 from exporters.gguf import export  # noqa: E402
+from laco_deploy.bench.parity import gguf_parity
 
 # Tiny random models give near-flat distributions, so quantization flips many top-1 choices;
 # these bounds check that each type is decoded as what it claims, not production quality.
@@ -29,7 +30,7 @@ MAIN_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
 
 @pytest.mark.parametrize("quant", list(BOUNDS))
 def test_every_output_type_round_trips(tiny_llama_dir, tmp_path, quant):
-    res = export(tiny_llama_dir, tmp_path / f"m.{quant}.gguf", quant)
+    res = export(tiny_llama_dir, tmp_path / f"m.{quant}.gguf", quant, check=gguf_parity)
     top1, kl = BOUNDS[quant]
     assert res.checks["parity_top1"] >= top1 and res.checks["parity_mean_kl"] <= kl, res.checks
     assert res.checks["tokenizer_match"] is True
@@ -46,7 +47,7 @@ def test_every_output_type_round_trips(tiny_llama_dir, tmp_path, quant):
 
 
 def test_f32_meets_the_issue_bar(tiny_llama_sp_dir, tmp_path):
-    res = export(tiny_llama_sp_dir, tmp_path / "sp.f32.gguf", "f32")
+    res = export(tiny_llama_sp_dir, tmp_path / "sp.f32.gguf", "f32", check=gguf_parity)
     assert res.checks["parity_top1"] >= 0.999 and res.checks["parity_mean_kl"] <= 1e-4
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from exporters.gguf_model import llama3_rope_factors, permute_rope_rows
+from laco_deploy.bench.parity import gguf_parity
 
 pytest.importorskip("llama_cpp")
 
@@ -25,7 +26,7 @@ pytest.importorskip("llama_cpp")
 def _export(src, path, quant):
     from exporters.gguf import export
 
-    return export(src, path, quant)
+    return export(src, path, quant, check=gguf_parity)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from laco_deploy.errors import ExportError
 
 pytest.importorskip("llama_cpp")
 from exporters.gguf import export  # noqa: E402
+from laco_deploy.bench.parity import gguf_parity
 
 NON_UNIFORM = [{"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
                {"intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}]
@@ -58,7 +59,7 @@ def _get(path, key):
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_per_layer_widths_export_as_deci_and_run(fixture, request, tmp_path):
     src = make_structured(request.getfixturevalue(fixture), tmp_path / "structured", NON_UNIFORM)
-    res = export(src, tmp_path / "s.f32.gguf", "f32")
+    res = export(src, tmp_path / "s.f32.gguf", "f32", check=gguf_parity)
     assert res.checks["architecture"] == "deci" and any("deci" in n for n in res.notes)
     assert _get(res.path, "deci.feed_forward_length") == [64, 96]
     assert _get(res.path, "deci.attention.head_count") == [4, 2]
@@ -68,13 +69,13 @@ def test_per_layer_widths_export_as_deci_and_run(fixture, request, tmp_path):
     assert shapes["blk.1.ffn_up.weight"] == [64, 96] and shapes["blk.1.attn_q.weight"] == [64, 32]
     # llama.cpp loads the file and its logits match PyTorch's structured model
     assert res.checks["parity_top1"] >= 0.999 and res.checks["parity_mean_kl"] <= 1e-4, res.checks
-    q = export(src, tmp_path / "s.q4_k_m.gguf", "q4_k_m")
+    q = export(src, tmp_path / "s.q4_k_m.gguf", "q4_k_m", check=gguf_parity)
     assert q.checks["architecture"] == "deci" and q.checks["parity_top1"] >= 0.6
 
 
 def test_uniform_widths_stay_llama(tiny_llama_dir, tmp_path):
     src = make_structured(tiny_llama_dir, tmp_path / "uniform", UNIFORM)
-    res = export(src, tmp_path / "u.f16.gguf", "f16")
+    res = export(src, tmp_path / "u.f16.gguf", "f16", check=gguf_parity)
     assert res.checks["architecture"] == "llama"
     assert _get(res.path, "llama.feed_forward_length") == 64  # the pruned width, not config.intermediate_size
     assert _get(res.path, "llama.attention.head_count") == 2

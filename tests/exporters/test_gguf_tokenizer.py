@@ -17,6 +17,7 @@ from laco_deploy.data import load_texts
 pytest.importorskip("llama_cpp")
 from exporters.gguf import export  # noqa: E402
 from laco_deploy.bench.llamacpp import LlamaCppRunner  # noqa: E402
+from laco_deploy.bench.parity import gguf_parity
 
 SAMPLES = ["Hello world", "In 1905, 3.14 and 12345 apples\n\n  indented\tline", "naïve café — «quotes» 東京",
            "<|im_start|>user\nhi<|im_end|>"]
@@ -138,5 +139,5 @@ def test_tokenizer_and_general_metadata_carried_from_source_gguf(tiny_llama_dir,
     assert _field(res.path, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q8_0)  # the file's own type
     assert any("carried over" in n for n in res.notes)
     (src / "laco_source.json").write_text(json.dumps({"gguf": str(tmp_path / "gone.gguf")}))
-    fallback = export(src, tmp_path / "fallback.gguf", "f16")  # source gone: HF tokenizer instead
+    fallback = export(src, tmp_path / "fallback.gguf", "f16", check=gguf_parity)  # source gone: HF tokenizer instead
     assert _field(fallback.path, "general.name") == src.name and fallback.checks["tokenizer_match"]

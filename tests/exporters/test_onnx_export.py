@@ -17,6 +17,8 @@ from exporters.onnx_graph import _cache_argument
 from laco_deploy.bench.onnxrt import OrtDecoder, OrtRunner
 from laco_deploy.errors import ExportError
 from laco_deploy.models import load_model
+from laco_deploy.bench import parity
+from laco_deploy.bench.parity import onnx_parity
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def tagged_dir(tiny_llama_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def export_fp32(tagged_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "fp32"
-    result = onnx_exporter.export(tagged_dir, out, "fp32", metadata={"build": "test"})
+    result = onnx_exporter.export(tagged_dir, out, "fp32", metadata={"build": "test"}, check=onnx_parity)
     return result, out
 
 
@@ -74,7 +76,7 @@ def test_parity_checks_meet_fp32_bar(export_fp32):
     checks = export_fp32[0].checks
     assert checks["onnx_checker"] == "passed"
     p = checks["parity"]
-    assert p["prefill_tokens"] == onnx_exporter.PARITY_PREFILL and p["decode_steps"] == onnx_exporter.PARITY_DECODE
+    assert p["prefill_tokens"] == parity.PARITY_PREFILL and p["decode_steps"] == parity.PARITY_DECODE
     assert p["max_abs_diff_prefill"] <= 1e-3 and p["max_abs_diff_decode"] <= 1e-3
     assert p["top1_agreement"] >= 0.999
     assert checks["greedy"]["identical"] is True

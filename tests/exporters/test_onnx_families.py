@@ -9,10 +9,11 @@ import torch
 from exporters import onnx as onnx_exporter
 from laco_deploy.bench.onnxrt import OrtRunner
 from laco_deploy.models import load_model
+from laco_deploy.bench.parity import onnx_parity
 
 
 def test_qwen2_with_biases(tiny_qwen2_dir, tmp_path):
-    result = onnx_exporter.export(tiny_qwen2_dir, tmp_path / "qwen2", "fp32")
+    result = onnx_exporter.export(tiny_qwen2_dir, tmp_path / "qwen2", "fp32", check=onnx_parity)
     p = result.checks["parity"]
     assert p["max_abs_diff_prefill"] <= 1e-3 and p["max_abs_diff_decode"] <= 1e-3 and p["top1_agreement"] >= 0.999
     assert result.checks["greedy"]["identical"]
@@ -26,7 +27,7 @@ def test_qwen2_with_biases(tiny_qwen2_dir, tmp_path):
 
 def test_sentencepiece_model_and_upper_case_type(tiny_llama_sp_dir, tmp_path):
     """The SentencePiece tokenizer travels with the export; type names are case-insensitive."""
-    result = onnx_exporter.export(tiny_llama_sp_dir, tmp_path / "sp", "FP32")
+    result = onnx_exporter.export(tiny_llama_sp_dir, tmp_path / "sp", "FP32", check=onnx_parity)
     assert result.quant == "fp32" and (tmp_path / "sp" / "tokenizer.model").is_file()
     assert result.checks["parity"]["max_abs_logit_diff"] <= 1e-3
 
@@ -40,7 +41,7 @@ def test_mistral_sliding_window(bpe_tokenizer, tmp_path):
                         num_key_value_heads=2, max_position_embeddings=512, sliding_window=64, tie_word_embeddings=False,
                         bos_token_id=0, eos_token_id=0)
     src = tiny.save_tiny(tiny.build_model(cfg, seed=4), bpe_tokenizer, tmp_path / "mistral")
-    result = onnx_exporter.export(src, tmp_path / "onnx", "fp32")
+    result = onnx_exporter.export(src, tmp_path / "onnx", "fp32", check=onnx_parity)
     p = result.checks["parity"]
     assert p["prefill_tokens"] + p["decode_steps"] > 2 * cfg.sliding_window
     assert p["max_abs_logit_diff"] <= 1e-3 and p["top1_agreement"] >= 0.999 and result.checks["greedy"]["identical"]

@@ -11,6 +11,7 @@ from exporters import onnx as onnx_exporter
 from exporters import onnx_sparse
 from laco_deploy.bench.onnxrt import OrtDecoder, OrtRunner
 from laco_deploy.models import load_model, save_model
+from laco_deploy.bench.parity import onnx_parity
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
@@ -67,7 +68,7 @@ def pruned_dir(tiny_llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sparse_export(pruned_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "sparse"
-    return onnx_exporter.export(pruned_dir, out, "fp32", sparse_storage=True), out
+    return onnx_exporter.export(pruned_dir, out, "fp32", sparse_storage=True, check=onnx_parity), out
 
 
 def test_sparse_export_is_smaller_and_reported(sparse_export):
@@ -123,7 +124,7 @@ def test_densify_refuses_a_dense_export(tmp_path):
 
 def test_int8_sparse_storage(pruned_dir, tmp_path):
     """Pruned weights survive 8-bit quantization as code 128 and compress the same way."""
-    result = onnx_exporter.export(pruned_dir, tmp_path / "int8", "int8", sparse_storage=True)
+    result = onnx_exporter.export(pruned_dir, tmp_path / "int8", "int8", sparse_storage=True, check=onnx_parity)
     storage = result.checks["storage"]
     assert storage["tensors_compressed"] == 14 and storage["zero_fraction"] == pytest.approx(0.5, abs=0.02)
     assert storage["sparse_bytes"] < storage["dense_bytes"]

@@ -12,6 +12,7 @@ from exporters import onnx as onnx_exporter
 from laco_deploy.bench.onnxrt import OrtDecoder, OrtRunner
 from laco_deploy.models import load_model, save_model
 from laco_deploy.structured import WIDTHS_KEY, shrink_layer
+from laco_deploy.bench.parity import onnx_parity
 
 WIDTHS = [{"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
           {"intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}]
@@ -52,7 +53,7 @@ def structured_dir(tiny_llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def structured_export(structured_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx") / "structured"
-    return onnx_exporter.export(structured_dir, out, "fp32", sparse_storage=True), out
+    return onnx_exporter.export(structured_dir, out, "fp32", sparse_storage=True, check=onnx_parity), out
 
 
 def test_smaller_shapes_in_the_graph(structured_export):

@@ -9,6 +9,7 @@ import torch
 from exporters import onnx as onnx_exporter
 from laco_deploy.bench.onnxrt import OrtDecoder
 from laco_deploy.models import load_model
+from laco_deploy.bench.parity import onnx_parity
 
 
 def _decode_diff(folder, model_dir, n_prefill: int = 20, n_decode: int = 6) -> tuple[float, float]:
@@ -29,7 +30,7 @@ def _decode_diff(folder, model_dir, n_prefill: int = 20, n_decode: int = 6) -> t
 
 
 def test_fp16_export(tiny_llama_untied_dir, tmp_path):
-    result = onnx_exporter.export(tiny_llama_untied_dir, tmp_path / "fp16", "fp16")
+    result = onnx_exporter.export(tiny_llama_untied_dir, tmp_path / "fp16", "fp16", check=onnx_parity)
     model = onnx.load(str(tmp_path / "fp16" / "model.onnx"))
     weights = [t for t in model.graph.initializer if len(t.dims) == 2]
     assert weights and all(t.data_type == onnx.TensorProto.FLOAT16 for t in weights)
