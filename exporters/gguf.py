@@ -30,7 +30,7 @@ import numpy as np
 
 from exporters import gguf_model, gguf_vocab
 from exporters.gguf_names import F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
-from laco_deploy.artifacts import ExportResult
+from laco_deploy.artifacts import SOURCE_FILE, ExportResult
 from laco_deploy.errors import ExportError
 from laco_deploy.fsutil import atomic_path
 from laco_deploy.targets import GGUF
@@ -38,7 +38,6 @@ from laco_deploy.targets import GGUF
 log = logging.getLogger(__name__)
 
 F16 = gguf.GGMLQuantizationType.F16
-SOURCE_FILE = "laco_source.json"  # {"gguf": path}: the model was converted from this GGUF file
 
 
 def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None = None,

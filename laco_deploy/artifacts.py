@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 SPARSITY_FILE = "sparsity.json"  # written beside a pruned or compensated model: per-matrix sparsity
+SOURCE_FILE = "laco_source.json"  # {"gguf": path} in a model folder: the GGUF it came from (the GGUF exporter reuses its tokenizer)
 
 
 def checkpoint_dir(out_dir: Path) -> Path:

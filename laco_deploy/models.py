@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from laco_deploy import families
+from laco_deploy.artifacts import SOURCE_FILE
 from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir
@@ -297,7 +298,6 @@ def linear_modules(layer, targets) -> dict[str, torch.nn.Linear]:
     return out
 
 
-SOURCE_FILE = "laco_source.json"  # {"gguf": path}: the GGUF a model came from (exporters reuse its tokenizer)
 
 
 def with_provenance(source_dir: str | Path | None, extra_files: dict[str, str] | None) -> dict[str, str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from laco_deploy.config import BuildConfig, ExportConfig, ModelConfig
@@ -58,3 +61,32 @@ def test_runtime_device():
 
 def test_default_build_config_uses_a_registered_target():
     assert BuildConfig(model=ModelConfig(device="cpu")).export.target in TARGETS
+
+
+def _name_comparisons(text: str, names: set[str]) -> list[str]:
+    """Lines comparing with a target or runtime name: == / != / in (...) / case with the quoted name."""
+    quoted = "|".join(re.escape(n) for n in sorted(names))
+    pattern = re.compile(rf"""(==|!=)\s*["']({quoted})["']|["']({quoted})["']\s*(==|!=)"""
+                         rf"""|\bin\s*[(\[{{][^)\]}}]*["']({quoted})["']|\bcase\s+["']({quoted})["']""")
+    return [line.strip() for line in text.splitlines() if pattern.search(line)]
+
+
+def test_name_comparison_scan_finds_a_branch():
+    names = set(TARGETS) | set(RUNTIMES)
+    assert _name_comparisons('if cfg.target == "gguf":\nx = rt in ("llama.cpp", "x")\n', names) == \
+        ['if cfg.target == "gguf":', 'x = rt in ("llama.cpp", "x")']
+    assert _name_comparisons('path = work / "gguf" / name\n', names) == []
+
+
+def test_no_target_name_comparisons_outside_the_registry():
+    """Choosing behaviour by target or runtime name happens in targets.py only (a Target's fields)."""
+    root = Path(__file__).resolve().parents[1]
+    names = set(TARGETS) | set(RUNTIMES)
+    found = {}
+    for folder in ("laco_deploy", "exporters", "benchmarks"):
+        for path in (root / folder).rglob("*.py"):
+            if path != root / "laco_deploy" / "targets.py":
+                hits = _name_comparisons(path.read_text(), names)
+                if hits:
+                    found[str(path.relative_to(root))] = hits
+    assert found == {}
