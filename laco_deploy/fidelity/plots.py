@@ -83,3 +83,21 @@ def kl_distribution_png(candidates: dict[str, dict[str, Any]]) -> bytes:
         ax.grid(True, alpha=0.3, which="both")
         ax.legend(title="candidate")
     return _png(fig)
+
+
+def frontier_png(curves: dict[str, list[tuple[float, float, str]]]) -> bytes:
+    """Perplexity against decode speed: one curve per runtime/type, points sorted by speed and
+    labelled with their model. `curves`: name -> [(tok/s, ppl, model label)]."""
+    col = colors(list(curves))
+    fig = Figure(figsize=(11, 6))
+    ax = fig.subplots()
+    for name, points in curves.items():
+        pts = sorted(points)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, color=col[name], label=name)
+        for x, y, label in pts:
+            ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", color=col[name])
+    ax.set(yscale="log", title="Speed/quality frontier (lower right is better)", xlabel="decode speed [tokens/s]",
+           ylabel="perplexity on the runtime (log scale)")
+    ax.grid(True, alpha=0.3, which="both")
+    ax.legend(title="runtime and weight type")
+    return _png(fig)

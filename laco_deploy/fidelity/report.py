@@ -147,18 +147,18 @@ def _layer_highlights(data: dict[str, Any]) -> list[str]:
     return out
 
 
-_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
+CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
 table{border-collapse:collapse;margin:8px 0 16px}th,td{border:1px solid #ccc;padding:4px 8px;font-size:14px}
 th{background:#f3f3f3}td.n{text-align:right;font-variant-numeric:tabular-nums}.pass{color:#17702a;font-weight:600}
 .fail{color:#b00020;font-weight:600}img{max-width:100%;border:1px solid #eee}code{font-size:13px}
 h2{margin-top:28px;border-bottom:1px solid #ddd}"""
 
 
-def _img(png: bytes, alt: str) -> str:
+def img_tag(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
 
 
-def _html_table(head, rows: list[tuple[str, ...]], numeric_cols: range = range(0)) -> str:
+def html_table(head, rows: list[tuple[str, ...]], numeric_cols: range = range(0)) -> str:
     """An HTML table of text cells; `numeric_cols` are right-aligned; pass/FAIL cells coloured."""
     out = ["<table><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"]
     for row in rows:
@@ -179,23 +179,23 @@ def html_page(data: dict[str, Any]) -> str:
     esc = html.escape
     verdict = ("<span class='pass'>all gates passed</span>" if data["passed"] else "<span class='fail'>a gate failed</span>") \
         if data["gates"] else "no gates set"
-    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Fidelity report</title><style>{_CSS}</style></head><body>",
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Fidelity report</title><style>{CSS}</style></head><body>",
              f"<h1>Fidelity vs dense model</h1><p>{verdict}</p><p>{esc(_setting_line(data).replace('`', ''))}</p>",
-             _html_table(_HEAD, table_rows(data), range(2, 10))]
+             html_table(_HEAD, table_rows(data), range(2, 10))]
     d_head, d_rows = domain_rows(data)
     if d_rows:
         parts += ["<h2>Per evaluation domain</h2><p>The calibration text is in-domain; the others were never seen in calibration.</p>",
-                  _html_table(d_head, d_rows, range(1, len(d_head)))]
+                  html_table(d_head, d_rows, range(1, len(d_head)))]
     if data["gates"]:
         parts.append("<ul>" + "".join(f"<li class='{'pass' if g['passed'] else 'fail'}'>{esc(gate_message(g))}</li>"
                                       for g in data["gates"]) + "</ul>")
     parts += _zeroshot_html(data)
     curves = layer_curves_png(data["candidates"])
     parts.append("<h2>Per-layer hidden-state error</h2>")
-    parts.append(_img(curves, "relative error and cosine per decoder layer") if curves is not None
+    parts.append(img_tag(curves, "relative error and cosine per decoder layer") if curves is not None
                  else "<p>No PyTorch candidate with the dense model's depth and width: no per-layer curves.</p>")
     parts += [f"<p>{esc(x)}</p>" for x in _layer_highlights(data)]
-    parts += ["<h2>Per-token KL distribution</h2>", _img(kl_distribution_png(data["candidates"]), "per-token KL histogram and CDF")]
+    parts += ["<h2>Per-token KL distribution</h2>", img_tag(kl_distribution_png(data["candidates"]), "per-token KL histogram and CDF")]
     parts += _details_html(data)
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
@@ -204,10 +204,10 @@ def html_page(data: dict[str, Any]) -> str:
 def _details_html(data: dict[str, Any]) -> list[str]:
     rows = [("dense", "pytorch (reference)", data["dense"]["path"], data["dense"]["sha256"] or "-")]
     rows += [(label, c["runtime"], c["path"], c["sha256"] or "-") for label, c in data["candidates"].items()]
-    out = ["<h2>Inputs</h2>", _html_table(("label", "runtime / source", "path", "sha256"), rows)]
-    out += ["<h2>Versions</h2>", _html_table(("package", "version"), sorted(data["versions"].items()))]
+    out = ["<h2>Inputs</h2>", html_table(("label", "runtime / source", "path", "sha256"), rows)]
+    out += ["<h2>Versions</h2>", html_table(("package", "version"), sorted(data["versions"].items()))]
     settings = [(k, str(v)) for k, v in data["settings"].items()]
-    out += ["<h2>Settings</h2>", _html_table(("setting", "value"), settings)]
+    out += ["<h2>Settings</h2>", html_table(("setting", "value"), settings)]
     if data.get("notes"):
         out.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in data["notes"]) + "</ul>")
     out.append(f"<p>wall time {data['wall_s']:.1f} s · schema version {data['schema_version']}</p>")
@@ -237,5 +237,5 @@ def _zeroshot_html(data: dict[str, Any]) -> list[str]:
     if not zs:
         return []
     head, rows = zeroshot.table(zs)
-    return [f"<h2>{html.escape(_ZS_TITLE)}</h2>", _html_table(head, rows, range(2, len(head))),
+    return [f"<h2>{html.escape(_ZS_TITLE)}</h2>", html_table(head, rows, range(2, len(head))),
             "<ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in zeroshot.notes(zs)) + "</ul>"]

@@ -1,0 +1,67 @@
+"""The frontier benchmark's plan, goal checks and report (laco_deploy/bench/frontier.py), on made-up cells."""
+
+import pytest
+
+from laco_deploy.bench import frontier as F
+from laco_deploy.errors import ConfigError
+
+
+def _cell(model, quant, size, ppl, tg, domains=None, runtime="llama.cpp"):
+    return {"model": model, "quant": quant, "runtime": runtime, "size_mib": size, "ppl": ppl, "tg_tps": tg,
+            "pp_tps": 10 * tg, "peak_rss_mib": 300.0, "kl_mean": 0.1, "top1": 0.8, "domains": domains or {}}
+
+
+def test_plan_orders_families_and_restricts_qa_to_its_type():
+    specs = F.plan_models([0.3], ["all", "ffn"], ["pruned", "laco", "qa"], ["wanda50"], ["q4_k_m"])
+    assert [s.label for s in specs] == ["dense", "s30-all", "s30-all+laco", "s30-all+qa-q4_k_m", "s30-ffn", "s30-ffn+laco",
+                                        "s30-ffn+qa-q4_k_m", "wanda50", "wanda50+laco", "wanda50+qa-q4_k_m"]
+    by_label = {s.label: s for s in specs}
+    assert by_label["s30-ffn"].prune.targets == F.FFN and by_label["s30-ffn"].prune.structured == 0.3
+    assert by_label["s30-all+qa-q4_k_m"].base == "s30-all" and by_label["s30-all+qa-q4_k_m"].quant_aware == "q4_k_m"
+    cells = F.plan_cells(specs, ["f16", "q4_k_m"], ["q6_k"])
+    assert ("s30-all+qa-q4_k_m", "q4_k_m") in cells and ("s30-all+qa-q4_k_m", "f16") not in cells
+    assert [m for m, q in cells if q == "q6_k"] == ["dense"]
+    assert cells[0] == ("dense", "f16")
+
+
+def test_plan_rejects_unknown_names():
+    with pytest.raises(ConfigError, match="bogus"):
+        F.plan_models([0.3], ["all"], ["bogus"], [], [])
+    with pytest.raises(ConfigError, match="q3_x"):
+        F.plan_cells([F.Spec("dense")], ["q3_x"], [])
+
+
+def test_target_of_picks_the_runtime():
+    assert F.target_of("q4_k_m").runtime == "llama.cpp" and F.target_of("int8").runtime == "onnxruntime"
+
+
+def test_structured_goal_gap_and_speed():
+    doms = lambda a, b: {"wikipedia": a, "code": b}  # noqa: E731
+    cells = [_cell("dense", "f16", 260, 20, 100, doms(20, 10)), _cell("s30-all", "f16", 190, 100, 125, doms(100, 110)),
+             _cell("s30-all+laco", "f16", 190, 40, 125, doms(40, 80))]
+    goals = F.structured_goal(cells, "f16")
+    assert [round(g["value"], 3) for g in goals] == [0.75, 0.3, 1.25]  # (100-40)/80, (110-80)/100, 125/100
+    assert [g["hit"] for g in goals] == [True, False, True]
+    assert F.goal_lines(goals)[1].startswith("MISS")
+
+
+def test_equal_size_goal_compares_with_the_smallest_dense_not_smaller():
+    cells = [_cell("dense", "q8_0", 140, 21, 100), _cell("dense", "q6_k", 110, 22, 100), _cell("dense", "q4_k_m", 100, 25, 100),
+             _cell("s30-all+laco", "q8_0", 105, 23, 120), _cell("s30-all+laco", "fp32", 105, 1, 120, runtime="onnxruntime")]
+    (goal,) = F.equal_size_goal(cells)
+    assert "dense q6_k" in goal["goal"] and goal["hit"] is False and goal["value"] == pytest.approx(23 / 22)
+
+
+def test_qa_goal_pairs_with_laco_at_the_same_type():
+    cells = [_cell("wanda50+laco", "q4_k_m", 100, 30, 100), _cell("wanda50+qa-q4_k_m", "q4_k_m", 100, 28, 100),
+             _cell("wanda50+laco", "f16", 260, 29, 90)]
+    (goal,) = F.qa_goal(cells)
+    assert goal["hit"] and goal["value"] == pytest.approx(28 / 30)
+
+
+def test_report_has_table_plot_and_goals():
+    cells = [_cell("dense", "f16", 260, 20, 100, {"wikipedia": 20}), _cell("s30-all", "f16", 190, 100, 130, {"wikipedia": 99})]
+    md = F.markdown(cells)
+    assert "| s30-all | llama.cpp | f16 | 190.0 | 100.00 |" in md and "ppl wikipedia" in md and "| 1.30 |" in md
+    page = F.html_page(cells, F.structured_goal(cells, "f16"), ["settings line"])
+    assert "data:image/png;base64," in page and "settings line" in page and "<td>s30-all</td>" in page
