@@ -19,6 +19,9 @@ TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensat
 # --quant-aware: export types whose weights LaCo trains through (compensate/fakequant.py)
 QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "int8")
 INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
+# torchrun jobs: how long a rank waits in a collective (all-reduce, barrier) before giving up, so a
+# stuck or dead rank ends the job; override with LACO_DIST_TIMEOUT_S (laco_deploy/distributed.py)
+DIST_TIMEOUT_S = 1800
 
 
 @dataclass(frozen=True)

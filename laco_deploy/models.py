@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from laco_deploy import families
+from laco_deploy import distributed
 from laco_deploy.artifacts import SOURCE_FILE
 from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
@@ -69,11 +70,14 @@ def cache_dir() -> Path:
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` picks CUDA when present; `cuda` without a GPU is an error, not a silent CPU run."""
+    """`auto` picks CUDA when present; `cuda` without a GPU is an error, not a silent CPU run.
+    In a torchrun job `auto` and `cuda` mean this rank's GPU, cuda:LOCAL_RANK."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelError(f"--device {name} asked for CUDA but no CUDA GPU is visible; use --device cpu or auto")
+    if name == "cuda" and distributed.active():
+        return torch.device("cuda", distributed.local_rank() % torch.cuda.device_count())
     try:
         return torch.device(name)
     except RuntimeError as e:

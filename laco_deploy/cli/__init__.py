@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover
     from click import exceptions as click_exceptions
 
 # the app (cli/app.py), then every command module registering on it (stages.py), then their help epilogs
+from laco_deploy import distributed
 from laco_deploy.cli import helptext, stages  # noqa: F401
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import err_console, state
@@ -39,8 +40,18 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def _interrupted() -> None:
-    err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
+    if distributed.claim_report():
+        err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
     sys.exit(143 if _terminated else 130)
+
+
+def _report(message: str, code: int) -> None:
+    """Print one error line and exit. In a torchrun job only the first rank to fail prints (the
+    others fail because of it, or with the same error), prefixed with its rank."""
+    if distributed.claim_report():
+        where = distributed.describe()
+        err_console.print(f"{where}: {message}" if where else message, highlight=False, soft_wrap=True)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,24 +70,26 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args: list[str]) -> None:
     try:
+        distributed.init_from_env()  # a no-op unless torchrun started more than one process
         code = app(args=args, prog_name="laco-deploy", standalone_mode=False)
     except LacoError as e:
         if state.debug:
             raise
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(e.exit_code)
+        _report(f"[bold red]error:[/] {e}", e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:
-        e.show()
+        if distributed.claim_report():
+            e.show()
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         _interrupted()
     except Exception as e:  # a bug, not a user error: one line unless --debug
         if state.debug:
             raise
-        err_console.print(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback and please report it)", highlight=False, soft_wrap=True)
-        sys.exit(3)
+        _report(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback and please report it)", 3)
+    finally:
+        distributed.teardown()
     if code == TYPER_INTERRUPT_CODE:
         _interrupted()
     sys.exit(code if isinstance(code, int) else 0)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
-from laco_deploy import __version__
+from laco_deploy import __version__, distributed
 from laco_deploy.cli import output
 from laco_deploy.cli.common import console, state
 from laco_deploy.cli.output import Verbosity
@@ -49,3 +51,19 @@ def _root(
 
         torch.set_num_threads(threads)
     output.configure(Verbosity.DEBUG if debug else Verbosity.VERBOSE if verbose else Verbosity.QUIET if quiet else Verbosity.NORMAL)
+    if not distributed.is_main():
+        _silence_rank()
+
+
+def _silence_rank() -> None:
+    """Ranks other than 0 of a torchrun job: no logs, bars or results (rank 0 shows them once);
+    their errors still reach stderr (cli/__init__.py lets the first failing rank print)."""
+    import logging
+    import os
+
+    from laco_deploy import progress
+
+    for name in ("laco_deploy", "exporters"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    progress.set_enabled(False)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process

@@ -3,6 +3,11 @@
 After each layer the walk saves the layer's weights (safetensors) and the step's record (JSON).
 A resumed walk restores finished layers instead of running their step again; `meta.json` holds
 the settings fingerprint, and checkpoints made with other settings are refused.
+
+In a torchrun job rank 0 owns the folder (checks, clears and writes it); whether a layer is
+restored is rank 0's decision on every rank, since a rank that restored while another trained
+would wait forever in the other's collectives. All ranks read the restored files, so a
+multi-node resume needs the folder on a shared file system.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from laco_deploy import distributed
 from laco_deploy.errors import ConfigError
 from laco_deploy.fsutil import atomic_path, write_json
 
@@ -33,6 +39,8 @@ class LayerCheckpoints:
 
     def prepare(self) -> None:
         """Check the fingerprint of existing checkpoints (resume) or start a clean folder."""
+        if not distributed.is_main():
+            return
         meta = self.directory / "meta.json"
         if self.resume and meta.is_file():
             if json.loads(meta.read_text()) != self.fingerprint:
@@ -51,13 +59,15 @@ class LayerCheckpoints:
     def restore(self, i: int, layer: torch.nn.Module, device: torch.device) -> dict | None:
         """Load layer i's saved weights into `layer` and return its record; None if it has none."""
         weights_file, record_file = self._files(i)
-        if not (self.resume and record_file.is_file() and weights_file.is_file()):
+        if not (self.resume and distributed.agree(record_file.is_file() and weights_file.is_file())):
             return None
         _load_layer_state(layer, load_file(str(weights_file), device=str(device)))
         log.debug("layer %d restored from %s", i, weights_file)
         return json.loads(record_file.read_text())
 
     def save(self, i: int, layer: torch.nn.Module, record: dict) -> None:
+        if not distributed.is_main():
+            return  # every rank holds the same layer; rank 0 writes it
         weights_file, record_file = self._files(i)
         with atomic_path(weights_file) as tmp:
             save_file({k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}, str(tmp))

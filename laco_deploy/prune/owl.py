@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from laco_deploy import distributed
 from laco_deploy.config import PruneConfig
 from laco_deploy.engine import Lane, LayerInputs, WalkOptions, walk_layers
 from laco_deploy.fsutil import write_json
@@ -66,19 +67,27 @@ def layer_ratios(model, inputs: LayerInputs, cfg: PruneConfig, *, device: torch.
     n_layers = model.config.num_hidden_layers
     if not cfg.owl:
         return [cfg.sparsity] * n_layers
-    if resume and cache_file is not None and cache_file.is_file():
-        cached = json.loads(cache_file.read_text())
-        if cached.get("key") == _key(cfg) and len(cached.get("ratios", [])) == n_layers:
-            return [float(r) for r in cached["ratios"]]
+    if resume and cache_file is not None and distributed.agree(_cached(cache_file, cfg, n_layers) is not None):
+        return _cached(cache_file, cfg, n_layers)
     probe = inputs.hidden.clone_empty()
     probe.copy_from(inputs.hidden)  # the walk overwrites its buffers; keep the embeddings for pruning
     records = walk_layers(Lane(model, LayerInputs(probe, inputs.kwargs), loader), _outlier_step(cfg),
                           WalkOptions(device, batch_size, "owl outliers"))
     ratios = owl_ratios([r["outliers"] for r in records], cfg.sparsity, cfg.owl_lambda)
     log.info("OWL layer ratios: %s", [round(r, 4) for r in ratios])
-    if cache_file is not None:
+    if cache_file is not None and distributed.is_main():
         write_json(cache_file, {"key": _key(cfg), "outliers": [r["outliers"] for r in records], "ratios": ratios})
     return ratios
+
+
+def _cached(cache_file: Path, cfg: PruneConfig, n_layers: int) -> list[float] | None:
+    """The ratios an interrupted run with the same OWL settings computed, if any."""
+    if not cache_file.is_file():
+        return None
+    cached = json.loads(cache_file.read_text())
+    if cached.get("key") == _key(cfg) and len(cached.get("ratios", [])) == n_layers:
+        return [float(r) for r in cached["ratios"]]
+    return None
 
 
 def _key(cfg: PruneConfig) -> list:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
+from laco_deploy import distributed
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.config import (
     PRUNABLE_LINEARS,
@@ -89,7 +90,7 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
         raise ConfigError(f"--offload disk streams layers from a local model; {model_cfg.model!r} is a hub id: "
                           "use --offload cpu, or pass a local Hugging Face directory or .gguf file")
     path = local_dir(source)
-    lazy = LazyModel.open(path, spill_dir=ckpt / "spill")
+    lazy = LazyModel.open(path, spill_dir=distributed.rank_dir(ckpt / "spill"))
     check_architecture(lazy.model.config)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     return _Source(lazy.model, tok, model_cfg.model, str(path), lazy)
@@ -102,7 +103,10 @@ def _dense_numel(model) -> dict[str, int]:
 
 def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, fingerprint: dict, ckpt: Path, *,
                   resume: bool, device: torch.device) -> tuple[list[dict], list[float]]:
-    """Capture layer-0 inputs, pick the per-layer ratios, walk the layers with the prune step."""
+    """Capture layer-0 inputs, pick the per-layer ratios, walk the layers with the prune step.
+    In a torchrun job each rank captures its own shard of the samples (statistics are summed)."""
+    part = distributed.shard(ids.shape[0])
+    ids = ids[part.start:part.stop]
     inputs = capture_layer_inputs(src.model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
     ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=prune_cfg.batch_size,
                               cache_file=ckpt / "owl.json", resume=resume,
@@ -138,11 +142,15 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
         src.model.config.laco_deploy = record.config_summary(prune_cfg, overall, calib)
         doc = record.sparsity_document(prune_cfg, records, overall, calib, time.perf_counter() - t0)
         extra = {SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"}
-        if src.lazy is not None:
+        if not distributed.is_main():
+            pass  # rank 0 writes the model; every rank holds the same weights
+        elif src.lazy is not None:
             src.lazy.save(out_dir, src.tokenizer, extra_files=extra)
         else:
             save_model(src.model, src.tokenizer, out_dir, extra_files=extra)
-    shutil.rmtree(ckpt, ignore_errors=True)
+    distributed.barrier()  # the other ranks' scratch files live in the checkpoint folder
+    if distributed.is_main():
+        shutil.rmtree(ckpt, ignore_errors=True)
     log.info("pruned model written to %s (sparsity %.4f)", out_dir, overall["sparsity"])
     m = meas.to_dict()
     return ModelDirResult(

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from laco_deploy import distributed
+
 
 @dataclass
 class InputStats:
@@ -86,4 +88,17 @@ def collect_input_stats(ctx, modules: dict[str, torch.nn.Linear], *, hessian: bo
         for h in handles:
             h.remove()
         memo.clear()
+    _sum_over_ranks(stats, modules)
     return stats
+
+
+def _sum_over_ranks(stats: dict[str, InputStats], modules: dict[str, torch.nn.Linear]) -> None:
+    """Each rank saw its own shard of samples: sum the statistics so every rank chooses the same masks."""
+    if distributed.world() == 1:
+        return
+    for name in modules:  # same order on every rank
+        s = stats[name]
+        s.tokens = int(distributed.all_reduce_floats([s.tokens])[0])
+        for t in (s.sq_sum, s.lin_sum, s.xtx):
+            if t is not None:
+                distributed.all_reduce_(t)
