@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from laco_deploy import distributed
 from laco_deploy.compensate import lsq
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
@@ -98,7 +99,7 @@ def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfi
     before = trainer.evaluate(watch)
     start = {k: v.detach().clone() for k, v in ctx.layer.state_dict().items()}
     ctx.progress("least-squares refit")
-    lsq.refit_layer(ctx, masks, split[0], cfg.lsq_damp, cfg.lsq_token_weight)
+    lsq.refit_layer(ctx, masks, split[0], cfg.lsq_damp, cfg.lsq_token_weight, trainer.data.shard)
     if trainer.evaluate(watch)["loss"] > before["loss"]:  # never start from worse than the pruned layer
         ctx.layer.load_state_dict(start)
         log.debug("layer %d: least-squares refit raised the held-out loss; kept the pruned weights", ctx.index)
@@ -107,8 +108,9 @@ def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfi
 
 
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
-              seed: int, meter: SegmentMeter):
-    """The per-layer step for walk_layers: fit the layer, return its record."""
+              seed: int, meter: SegmentMeter, shard: distributed.Shard | None = None):
+    """The per-layer step for walk_layers: fit the layer, return its record. `split` holds global
+    sample indices; `shard` says which of them this rank's caches hold (torchrun)."""
 
     def step(ctx: LayerContext) -> dict[str, Any]:
         meter.next()
@@ -117,7 +119,7 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
             masks = layer_masks(ctx.layer, targets)
             mid = dense_mid_cache(ctx) if cfg.loss == "subblock" else None
             data = LayerData(ctx.inputs, ctx.dense_targets, mid, ctx.kwargs, split[0], split[1],
-                             ctx.dense_inputs if cfg.dense_input_mix > 0 else None)
+                             ctx.dense_inputs if cfg.dense_input_mix > 0 else None, shard)
             resident = list(ctx.layer.parameters()) + list(ctx.dense_layer.parameters())
             trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
                                    ctx.device, seed + ctx.index, resident)
@@ -146,9 +148,12 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    inputs = capture_layer_inputs(sparse_model, input_ids, device, offload=cfg.offload, workdir=checkpoint_dir)
+    # torchrun: each rank embeds and walks its own shard; the split is over all samples
+    shard = distributed.shard(input_ids.shape[0])
+    inputs = capture_layer_inputs(sparse_model, input_ids[shard.start:shard.stop], device, offload=cfg.offload,
+                                  workdir=checkpoint_dir)
     split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
-    step = make_step(cfg, targets, split, seed, meter)
+    step = make_step(cfg, targets, split, seed, meter, shard)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from laco_deploy import distributed
 from laco_deploy.engine.walk import LayerContext
 
 SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, k]
@@ -106,13 +107,16 @@ def _targets(group: list[str], yout: dict, res_s: dict, res_d: dict, h_s: torch.
 
 
 @torch.no_grad()
-def _statistics(ctx: LayerContext, group: list[str], idx: torch.Tensor,
-                token_weight: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _statistics(ctx: LayerContext, group: list[str], idx: torch.Tensor, token_weight: str,
+                shard: distributed.Shard | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """G = sum x x^T over the group's sparse-path input, and C[name] = sum x y^T against each
-    linear's target (see _targets); a bias column of ones is appended to x. fp64 sums."""
+    linear's target (see _targets); a bias column of ones is appended to x. fp64 sums.
+    `idx` are global sample indices; in a torchrun job each rank sums those of its `shard` and
+    the sums are added over ranks."""
     gram, cross = None, {n: None for n in group}
     norms = _residual_norms(ctx.layer, group)
-    for chunk in idx.split(ctx.batch_size):
+    rows = shard.local(idx) if shard is not None else idx
+    for chunk in rows.split(ctx.batch_size) if len(rows) else ():  # split() of nothing gives one empty chunk
         h_s, h_d = ctx.inputs.data[chunk].to(ctx.device), ctx.dense_inputs.data[chunk].to(ctx.device)
         sparse = _run_until(ctx, ctx.layer, h_s, group[:1] + norms, [])
         dense = _run_until(ctx, ctx.dense_layer, h_d, norms, group)
@@ -133,6 +137,22 @@ def _statistics(ctx: LayerContext, group: list[str], idx: torch.Tensor,
         for n in group:
             c = (x.T @ (yout[n].reshape(-1, yout[n].shape[-1]).float() * weight[:, None])).double()  # [in + 1, out]
             cross[n] = c if cross[n] is None else cross[n] + c
+    if distributed.world() > 1:
+        gram, cross = _sum_over_ranks(ctx, group, gram, cross)
+    return gram, cross
+
+
+def _sum_over_ranks(ctx: LayerContext, group: list[str], gram, cross) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the statistics of every rank (zeros from a rank that held none of the samples)."""
+    lin0 = ctx.layer.get_submodule(group[0])
+    size = lin0.in_features + 1
+    if gram is None:
+        gram = torch.zeros(size, size, dtype=torch.float64, device=ctx.device)
+    distributed.all_reduce_(gram)
+    for n in group:
+        if cross[n] is None:
+            cross[n] = torch.zeros(size, ctx.layer.get_submodule(n).out_features, dtype=torch.float64, device=ctx.device)
+        distributed.all_reduce_(cross[n])
     return gram, cross
 
 
@@ -184,11 +204,11 @@ def supervised(ctx: LayerContext, names: list[str]) -> list[str]:
 
 @torch.no_grad()
 def refit_layer(ctx: LayerContext, masks: dict[str, torch.Tensor], idx: torch.Tensor, damp: float,
-                token_weight: str = "none") -> None:
+                token_weight: str = "none", shard: distributed.Shard | None = None) -> None:
     """Refit the surviving weights (and biases) of the layer's masked linears in place, group by group,
     on the calibration samples `idx`. The masks are kept: dropped weights stay +0.0."""
     for group in linear_groups(ctx, supervised(ctx, list(masks))):
-        gram, cross = _statistics(ctx, group, idx, token_weight)
+        gram, cross = _statistics(ctx, group, idx, token_weight, shard)
         for name in group:
             lin = ctx.layer.get_submodule(name)
             w0 = lin.weight.detach()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
+from laco_deploy import distributed
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.compensate import laco, lora, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
@@ -85,8 +86,10 @@ def _fingerprint(model_cfg, data_cfg, comp_cfg, budget: Budget, sparse_dir: Path
 def _copy_only(sparse_dir: Path, out_dir: Path, comp_cfg: CompensateConfig) -> ModelDirResult:
     """method none: the pruned directory, copied unchanged."""
     t0 = time.perf_counter()
-    with atomic_dir(out_dir) as tmp:
-        shutil.copytree(sparse_dir, tmp, dirs_exist_ok=True)
+    if distributed.is_main():
+        with atomic_dir(out_dir) as tmp:
+            shutil.copytree(sparse_dir, tmp, dirs_exist_ok=True)
+    distributed.barrier()
     doc = json.loads((sparse_dir / SPARSITY_FILE).read_text()) if (sparse_dir / SPARSITY_FILE).is_file() else {}
     cfg = json.loads((sparse_dir / "config.json").read_text()).get("laco_deploy", {})
     return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=float(cfg.get("sparsity", 0.0)),
@@ -99,6 +102,9 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`."""
     sparse_dir, out_dir = Path(sparse_dir), Path(out_dir)
     _validate(model_cfg, data_cfg, comp_cfg, sparse_dir)
+    if comp_cfg.method == "lora" and distributed.world() > 1:
+        raise ConfigError("--method lora trains the whole model in one process and is not split over torchrun ranks; "
+                          "run it without torchrun (or use --method laco)")
     if comp_cfg.method == "none":
         return _copy_only(sparse_dir, out_dir, comp_cfg)
     device = device if device is not None else resolve_device(model_cfg.device)
@@ -106,7 +112,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
     ckpt = checkpoint_dir(out_dir)
     run_cfg = streamed.resolve_offload(comp_cfg, sparse_dir, budget.samples * budget.seqlen)
-    models = streamed.open_models(model_cfg, sparse_dir, run_cfg, ckpt / "spill")
+    models = streamed.open_models(model_cfg, sparse_dir, run_cfg, distributed.rank_dir(ckpt / "spill"))
     check_compatible(models.dense.config, models.sparse.config, model_cfg.model, sparse_dir)
     info = _prune_info(models.sparse.config)
     targets = tuple(info.get("targets") or PRUNABLE_LINEARS)
@@ -136,8 +142,11 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     after = streamed.sparsity(model, models.sparse_lazy, targets, numel)
     model.config.laco_deploy = config_summary(info, comp_cfg, budget, after["sparsity"])
     doc = sparsity_document(sparse_dir / SPARSITY_FILE, before, after, comp_cfg)
-    streamed.save(models, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
-    shutil.rmtree(ckpt, ignore_errors=True)
+    if distributed.is_main():  # every rank holds the same weights; rank 0 writes them
+        streamed.save(models, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+    distributed.barrier()  # the other ranks' scratch files live in the checkpoint folder
+    if distributed.is_main():
+        shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
     return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,
                          reference_gflops)

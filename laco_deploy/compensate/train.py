@@ -7,6 +7,12 @@ with AdamW under a cosine schedule; after every update the masked positions are 
 +0.0, so the sparsity pattern never changes. Early stopping watches a held-out slice of the
 samples and the best state (the untouched layer included) is kept, so a layer never leaves worse
 than it came on held-out data.
+
+In a torchrun job each rank holds a contiguous shard of the samples (`LayerData.shard`); batches
+are drawn from the global sample order as in one process, every rank computes the part of each
+batch it holds, weighted by its share of the batch, and the gradients are summed over ranks
+before each update, so all ranks apply the same update. The losses are means over tokens, so
+this equals the one-process gradient up to the order of the float sums.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from laco_deploy import distributed
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.corrections import Corrections
 from laco_deploy.compensate.masks import apply_masks, mask_grads
@@ -41,6 +48,7 @@ class LayerData:
     train_idx: torch.Tensor  # [n_train] sample indices
     val_idx: torch.Tensor  # [n_val], may be empty
     dense_inputs: ActivationCache | None = None  # dense-path inputs (for dense_input_mix)
+    shard: distributed.Shard | None = None  # the global samples this rank's caches hold (None: all)
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +133,17 @@ class LayerTrainer:
         self.samples_seen = 0
         self.anchor: list[torch.Tensor] | None = None  # starting weights, for cfg.anchor_decay
 
+    def _local(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Cache rows of the global samples `idx` held by this rank, and which of `idx` they are
+        (None: all of them, as in a single process)."""
+        shard = self.data.shard
+        if shard is None or shard.whole:
+            return idx, None
+        return shard.local(idx), shard.owned(idx)
+
     def _batch(self, idx: torch.Tensor, mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Inputs, targets (and mid targets) of samples `idx`; rows where `mix` is True take the
-        dense-path input instead of the sparse one (both map to the same dense target)."""
+        """Inputs, targets (and mid targets) of the cache rows `idx`; rows where `mix` is True take
+        the dense-path input instead of the sparse one (both map to the same dense target)."""
         d, dev = self.data, self.device
         x = d.inputs.data[idx]
         if mix is not None and bool(mix.any()):
@@ -146,9 +162,11 @@ class LayerTrainer:
 
     @torch.no_grad()
     def evaluate(self, idx: torch.Tensor) -> dict[str, float]:
-        """Mean training loss, nmse and mse of the layer output over the samples `idx`."""
+        """Mean training loss, nmse and mse of the layer output over the global samples `idx`
+        (each rank scores those it holds; the sums are added over ranks)."""
         sums = {"loss": 0.0, "nmse": 0.0, "mse": 0.0}
-        for chunk in idx.split(self.cfg.batch_size):
+        rows, _ = self._local(idx)
+        for chunk in rows.split(self.cfg.batch_size) if len(rows) else ():  # split() of nothing gives one empty chunk
             x, t, m = self._batch(chunk)
             with autocast_ctx(self.device):
                 out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
@@ -157,6 +175,8 @@ class LayerTrainer:
             sums["loss"] += float(loss) * w
             sums["nmse"] += float(losses.nmse(out, t)) * w
             sums["mse"] += float(losses.mse(out, t)) * w
+        if distributed.world() > 1:
+            sums = dict(zip(sums, distributed.all_reduce_floats(list(sums.values()))))
         return {k: v / max(1, len(idx)) for k, v in sums.items()}
 
     def _snapshot(self) -> list[torch.Tensor]:
@@ -168,17 +188,25 @@ class LayerTrainer:
             p.copy_(s.to(p.device))
 
     def _backward(self, chunk: torch.Tensor, mix: torch.Tensor | None, scaler) -> None:
-        """Loss and backward of one micro-batch; the first one also measures the device working
-        set and counts the step's FLOPs (for the throughput report)."""
-        batch = self._batch(chunk, mix)
+        """Loss and backward of the part of the micro-batch `chunk` (global sample indices) this
+        rank holds; the first one also measures the device working set and counts the step's
+        FLOPs (for the throughput report)."""
+        rows, owned = self._local(chunk)
+        if len(rows) == 0:
+            return  # this rank holds none of the batch; it sends zero gradients
+        share = 1.0
+        if owned is not None:  # the loss is a mean over this rank's rows: weigh it by their share
+            mix = mix[owned] if mix is not None else None
+            share = len(rows) / len(chunk)
+        batch = self._batch(rows, mix)
         if self.working_set is not None:
-            scaler.scale(self._loss(*batch) / self.cfg.grad_accum).backward()
+            scaler.scale(self._loss(*batch) * share / self.cfg.grad_accum).backward()
             return
         with FlopCounterMode(display=False) as flops:
             with count_saved(self.resident) as meter:
                 loss = self._loss(*batch)
-            scaler.scale(loss / self.cfg.grad_accum).backward()
-        self.sample_flops = flops.get_total_flops() / len(chunk)
+            scaler.scale(loss * share / self.cfg.grad_accum).backward()
+        self.sample_flops = flops.get_total_flops() / len(rows)
         self.working_set = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])
 
     @torch.no_grad()
@@ -204,6 +232,7 @@ class LayerTrainer:
                 lr = self.lr * cosine_lr(step, total, warmup)
                 for group in opt.param_groups:
                     group["lr"] = lr
+                distributed.all_reduce_grads(self.params)
                 mask_grads(self.layer, self.masks)
                 scaler.step(opt)
                 scaler.update()
