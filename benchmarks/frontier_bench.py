@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from laco_deploy.bench import frontier as F  # noqa: E402
 from laco_deploy.config import BenchConfig, CompensateConfig, DataConfig, FidelityConfig, ModelConfig  # noqa: E402
-from laco_deploy.fsutil import write_text, write_json  # noqa: E402
+from laco_deploy.fsutil import write_json, write_text  # noqa: E402
+from laco_deploy.targets import GGUF  # noqa: E402
 
 log = logging.getLogger("frontier_bench")
 PROFILES = {
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         path = export_cell(label, quant, dirs[label], args, reuse)
         cells.append(measure_cell(label, quant, path, dense, args, settings))
         log.info("measured %s %s (%d/%d)", label, quant, len(cells), len(cells_plan))
-    first_gguf = next((q for q in _split(args.quants) if F.target_of(q).name == "gguf"), None)
+    first_gguf = next((q for q in _split(args.quants) if F.target_of(q) is GGUF), None)
     goals = (F.structured_goal(cells, first_gguf) if first_gguf else []) + F.equal_size_goal(cells) + F.qa_goal(cells)
     info = [f"date {date.today()}; default model SmolLM2-135M-Instruct; {os.cpu_count()} CPUs, {args.threads} runtime "
             f"thread(s); load average at the end {os.getloadavg()[0]:.2f}",
