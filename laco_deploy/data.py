@@ -107,15 +107,35 @@ def load_texts(spec: str, role: str = "calib") -> list[str]:
     return docs
 
 
+def check_texts(spec: str, role: str = "calib") -> None:
+    """Read every local text a setting names (calibration: one; evaluation: each comma-separated part)
+    so that a missing, empty or malformed file is reported before any model is loaded. Hub datasets
+    (`hf:`) are left to the loader: checking them means downloading them."""
+    for part in eval_specs(spec) if role == "eval" else [spec]:
+        if not part.startswith("hf:"):
+            load_texts(part, role)
+
+
 def _read_txt(path: Path) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8") from e
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from e
     return [d.strip() for d in text.split("\n\n") if d.strip()]
 
 
 def _read_jsonl(path: Path) -> list[str]:
+    try:
+        return _parse_jsonl(path)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason}); convert it to UTF-8") from e
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from e
+
+
+def _parse_jsonl(path: Path) -> list[str]:
     docs = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):

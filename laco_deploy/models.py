@@ -18,6 +18,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -162,11 +163,30 @@ def load_model(
     return LoadedModel(model, tok, spec, source.kind, path, source.path)
 
 
-def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def check_source(spec: str, *, allow_pickle: bool = False) -> ModelSource:
+    """Every check of a model source that needs neither loading nor converting it, so that a bad
+    model is reported before any slow work: the path exists, an HF directory has a readable
+    config.json of a supported family and weights we may load, a GGUF file that will be converted
+    is complete (one already converted, same size and mtime, is not read again: ~3 s for 100 MB)."""
+    source = resolve_source(spec)
+    if source.kind == HF_DIR:
+        _check_hf_dir(source.path, allow_pickle=allow_pickle)
+    elif source.kind in (DEFAULT, GGUF_FILE) and not _is_converted(_gguf_cache_path(source.path)):
+        _check_gguf_readable(source.path)
+    return source
 
+
+def _check_hf_dir(path: Path, *, allow_pickle: bool) -> bool:
+    """config.json, its family and the weights' format, from the files alone; -> whether safetensors are there."""
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json: it is not a Hugging Face model directory")
+    try:
+        raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read {path / 'config.json'}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path / 'config.json'} holds no JSON object; it is not a Hugging Face model config")
+    check_architecture(SimpleNamespace(architectures=raw.get("architectures"), model_type=raw.get("model_type")))
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if not has_safetensors and not has_pickle:
@@ -176,6 +196,13 @@ def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
             f"{path} holds only pickled weights (*.bin), which can run arbitrary code when loaded; "
             "convert them to safetensors or pass --allow-pickle if you trust the source"
         )
+    return has_safetensors
+
+
+def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    has_safetensors = _check_hf_dir(path, allow_pickle=allow_pickle)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, json.JSONDecodeError) as e:
@@ -203,6 +230,10 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "gguf" / re.sub(r"[^\w.\-]", "_", key)
 
 
+def _is_converted(target: Path) -> bool:
+    return (target / "config.json").is_file() and any(target.glob("*.safetensors"))
+
+
 def ensure_default_converted() -> Path:
     return ensure_gguf_converted(default_gguf_path())
 
@@ -210,12 +241,12 @@ def ensure_default_converted() -> Path:
 def ensure_gguf_converted(gguf: Path) -> Path:
     """Dequantize a GGUF file into a cached safetensors directory once; return that directory."""
     target = _gguf_cache_path(gguf)
-    if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+    if _is_converted(target):
         return target
+    _check_gguf_readable(gguf)  # before the "converting" line: a corrupt file is one error, not a false start
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
-    _check_gguf_readable(gguf)
     try:
         config = _gguf_config(gguf)
         with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF", "tensor"):

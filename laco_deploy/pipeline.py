@@ -20,9 +20,28 @@ from laco_deploy.stagecache import StageCache
 from laco_deploy.versions import package_versions
 
 
+def check_inputs(cfg: BuildConfig) -> None:
+    """Everything about a build's inputs that can be checked before a model is loaded or converted
+    (seconds, not the minutes a bad input would otherwise cost): the device, the model source, the
+    calibration and evaluation texts, the zero-shot tasks. Settings were validated with the config."""
+    from laco_deploy.data import check_texts
+    from laco_deploy.models import check_source
+
+    resolve_device(cfg.model.device)
+    check_source(cfg.model.model, allow_pickle=cfg.model.allow_pickle)
+    check_texts(cfg.data.calib, "calib")
+    check_texts(cfg.data.eval, "eval")
+    if cfg.fidelity.tasks:
+        from laco_deploy.fidelity.tasks import resolve
+
+        for task in cfg.fidelity.tasks:
+            resolve(task)
+
+
 def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None) -> BuildRecipe:
     """The recipe of a build over its folder's stage cache (the folder is created, a previous
     manifest's stages become candidates for reuse)."""
+    check_inputs(cfg)
     device = resolve_device(cfg.model.device)
     root = Path(cfg.out)
     root.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,7 @@ def build_command(
     """
     from laco_deploy.buildconfig import merge, read_config_file
     from laco_deploy.fidelity.tasks import parse_task_list
-    from laco_deploy.pipeline import build
+    from laco_deploy.pipeline import build, check_inputs
     from laco_deploy.summary import summary_lines
 
     overrides = {
@@ -73,6 +73,7 @@ def build_command(
     }
     cfg = merge(read_config_file(config) if config else {}, overrides)
     check_writable(Path(cfg.out), into=True)
+    check_inputs(cfg)  # before the build folder and its log exist: a bad input leaves nothing behind
     with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
         log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))
         output.say(f"building into {cfg.out} (target {cfg.export.target} {cfg.export.resolved_quant}, "

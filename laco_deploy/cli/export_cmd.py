@@ -30,8 +30,9 @@ def export_command(
     cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage)
     check(cfg.validate())
     check_writable(out)
-    from laco_deploy.models import local_model_dir
+    from laco_deploy.models import check_source, local_model_dir
 
+    check_source(model)  # before a GGUF is converted or an exporter loads anything
     model_dir = local_model_dir(model)
     target = TARGETS[cfg.target]
     dest = out or Path(target.artifact_name(model_dir.name, cfg.resolved_quant))

@@ -25,7 +25,7 @@ from laco_deploy.compensate.record import config_summary, result_record, sparsit
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
 from laco_deploy.fsutil import atomic_dir
-from laco_deploy.models import resolve_device
+from laco_deploy.models import check_source, resolve_device
 from laco_deploy.throughput import matmul_gflops
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,10 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: Compensate
     if not sparse_dir.is_dir() or not (sparse_dir / "config.json").is_file():
         raise ModelError(f"pruned model directory {sparse_dir} not found (no config.json there); "
                          "run `laco-deploy prune --out DIR` first and pass that DIR as --sparse")
+    if comp_cfg.method != "none":  # before either model loads
+        check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)
+        check_source(str(sparse_dir))
+        data_mod.check_texts(data_cfg.calib, "calib")
 
 
 def check_compatible(dense_cfg: Any, sparse_cfg: Any, dense_dir: str, sparse_dir: Path) -> None:

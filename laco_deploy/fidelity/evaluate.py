@@ -23,7 +23,7 @@ import torch
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
-from laco_deploy.data import eval_domains, evaluation_windows
+from laco_deploy.data import check_texts, eval_domains, evaluation_windows
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
@@ -31,7 +31,7 @@ from laco_deploy.fidelity.layerwise import LayerCurves
 from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
 from laco_deploy.fidelity.tasks import load_tasks
 from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
-from laco_deploy.models import load_model, local_model_dir, resolve_device
+from laco_deploy.models import check_source, load_model, local_model_dir, resolve_device
 from laco_deploy.progress import progress_bar
 from laco_deploy.targets import target_for_path
 
@@ -138,7 +138,9 @@ def run(
     if not candidates:
         raise ConfigError("no candidate given; pass at least one model to compare, e.g. --candidate pruned=out/pruned")
     t0 = time.perf_counter()
-    zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None  # a bad task fails before any model loads
+    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)  # bad inputs fail before any model loads
+    check_texts(data_cfg.eval, "eval")
+    zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None
     device = device if device is not None else resolve_device(model_cfg.device)
     runtime_cands, torch_cands = _split_candidates(candidates)
     dense_dir = local_model_dir(model_cfg.model)

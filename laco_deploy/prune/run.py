@@ -32,6 +32,7 @@ from laco_deploy.memory import measure
 from laco_deploy.models import (
     HUB,
     check_architecture,
+    check_source,
     linear_modules,
     load_model,
     local_dir,
@@ -48,6 +49,8 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConf
     errors = model_cfg.validate() + data_cfg.validate() + prune_cfg.validate()
     if errors:
         raise ConfigError("; ".join(errors))
+    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)  # before the model loads
+    data_mod.check_texts(data_cfg.calib, "calib")
 
 
 def _calibration_record(data_cfg: DataConfig) -> dict:
