@@ -1,7 +1,13 @@
 """Per-layer widths of structured-pruned models (smaller FFN / fewer heads in some layers).
 
-transformers' Llama assumes one width for all layers, so a structured-pruned directory records
-its widths in config.json under `laco_layer_widths`, one entry per decoder layer:
+When every layer has the same widths (what `--structured` produces: one ratio for all layers),
+they are written in transformers' own keys (`intermediate_size`, `num_attention_heads`,
+`num_key_value_heads`, with `head_dim` pinned because fewer heads would change hidden/heads), so
+the folder loads in plain `AutoModelForCausalLM.from_pretrained` and in any tool that reads it.
+
+transformers' Llama assumes one width for all layers, so a model whose layers differ records its
+widths in config.json under `laco_layer_widths`, one entry per decoder layer, and names the loader
+that reads them under `laco_loader` (plain transformers stops with a size-mismatch error):
 
     {"intermediate_size": 768, "num_attention_heads": 6, "num_key_value_heads": 2}
 
@@ -19,6 +25,9 @@ from typing import Any
 import torch
 
 WIDTHS_KEY = "laco_layer_widths"
+LOADER_KEY = "laco_loader"  # config.json: what loads a model with per-layer widths
+LOADER = "laco_deploy.models.load_model (pip install laco-deploy); plain transformers cannot build per-layer widths"
+WIDTH_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads")
 
 
 def has_layer_widths(config: Any) -> bool:
@@ -38,6 +47,27 @@ def layer_widths(config: Any) -> list[dict[str, int]]:
         }
         for _ in range(config.num_hidden_layers)
     ]
+
+
+def write_widths(config: Any, widths: list[dict[str, int]]) -> None:
+    """Record the widths of each decoder layer in `config` (saved as config.json): transformers' own
+    keys when all layers agree, `laco_layer_widths` + `laco_loader` when they differ."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if all(w == widths[0] for w in widths):
+        config.head_dim = head_dim  # before the head count changes: hidden / heads would no longer be it
+        for key in WIDTH_KEYS:
+            setattr(config, key, int(widths[0][key]))
+        for key in (WIDTHS_KEY, LOADER_KEY):
+            if hasattr(config, key):
+                delattr(config, key)
+    else:
+        setattr(config, WIDTHS_KEY, [{k: int(w[k]) for k in WIDTH_KEYS} for w in widths])
+        setattr(config, LOADER_KEY, LOADER)
+
+
+def loads_in_plain_transformers(config: Any) -> bool:
+    """Whether `AutoModelForCausalLM.from_pretrained` builds this model without our loader."""
+    return not has_layer_widths(config)
 
 
 def _resize_linear(linear: torch.nn.Linear, out_features: int, in_features: int) -> torch.nn.Linear:

@@ -138,3 +138,17 @@ def test_prune_help_keeps_the_targets_default_whole(cli, monkeypatch, columns):
     code, out, _ = cli("prune", "--help")
     assert code == 0 and "…" not in out
     assert "[default: all]" in out and "down_proj" in out
+
+
+@pytest.mark.parametrize("command", [[], ["build"], ["compensate"]])
+def test_help_and_readme_name_the_method_by_its_full_title(cli, command):
+    """Another paper is also called "LaCo" (layer collapse, merging layers): say which one this is."""
+    from pathlib import Path
+
+    code, out, _ = cli(*command, "--help")
+    flat = " ".join(out.split())
+    assert code == 0 and "LaCo: Layer-wise Compensation for Pruned Large Language Models (ACL 2026)" in flat
+    assert "Layer Collapse" in flat
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "*LaCo: Layer-wise Compensation for Pruned Large Language Models* (ACL 2026)" in readme
+    assert "Layer Collapse" in readme

@@ -6,6 +6,14 @@ registered commands by name (`attach`), so a command module needs no change to g
 
 from __future__ import annotations
 
+# The paper the method comes from, named in full: another paper called "LaCo" merges layers instead.
+METHOD = (
+    "[bold]Method[/]\n"
+    "  LaCo: Layer-wise Compensation for Pruned Large Language Models (ACL 2026).\n"
+    "  Not \"LaCo: Large Language Model Pruning via Layer Collapse\", another paper\n"
+    "  of the same short name that merges layers; here no layer is merged."
+)
+
 EXIT_CODES = (
     "[bold]Exit codes[/]\n"
     "  0    done\n"
@@ -73,7 +81,7 @@ EXAMPLES[""] = EXAMPLES["build"][:2]  # the top-level help starts where a newcom
 
 def epilog(command: str | None) -> str:
     """Examples for `command` (None: the top-level help), then the output modes and exit codes."""
-    parts = []
+    parts = [METHOD] if command in (None, "build", "compensate") else []
     examples = EXAMPLES.get(command or "", [])
     if examples:
         lines = ["\n".join([f"  # {line}" for line in what.splitlines()] + [f"  {line}" for line in cmd.splitlines()])

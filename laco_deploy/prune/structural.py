@@ -3,8 +3,8 @@
 An FFN channel j is row j of gate_proj and up_proj and column j of down_proj. A head group g is
 KV head g (rows of k_proj, v_proj) with the G = heads / kv_heads query heads that share it (rows of
 q_proj, columns of o_proj); removing whole groups keeps the GQA ratio, head_dim and RoPE intact.
-The smaller widths per layer are recorded in config.json (`laco_layer_widths`, see
-laco_deploy.structured), which laco_deploy.models uses to rebuild the shapes when loading.
+The smaller widths are recorded in config.json (laco_deploy.structured.write_widths): in transformers'
+own keys when every layer has the same (plain `from_pretrained` loads the folder), per layer otherwise.
 
 Importance (from the calibration inputs of the layer, on the sparse path):
 - "wanda": sum of Wanda scores |W| ||X|| over all weights of the channel / group;
@@ -161,7 +161,7 @@ def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
 
 
 def record_widths(config, records: list[dict]) -> None:
-    """Write the per-layer widths into the HF config (`laco_layer_widths`)."""
-    from laco_deploy.structured import WIDTHS_KEY
+    """Write the per-layer widths into the HF config (laco_deploy.structured.write_widths)."""
+    from laco_deploy.structured import write_widths
 
-    setattr(config, WIDTHS_KEY, [r["widths"] for r in records])
+    write_widths(config, [r["widths"] for r in records])

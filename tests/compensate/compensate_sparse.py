@@ -9,6 +9,7 @@ import torch
 
 from laco_deploy.config import PRUNABLE_LINEARS
 from laco_deploy.models import load_model, save_model
+from laco_deploy.structured import write_widths
 
 
 def magnitude_prune_(weight: torch.Tensor, sparsity: float = 0.5, nm: tuple[int, int] | None = None) -> None:
@@ -55,6 +56,6 @@ def make_structured(dense_dir: Path, out: Path, keep_ffn: int) -> Path:
             new = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
             new.weight = torch.nn.Parameter(w)
             setattr(mlp, lin_name, new)
-    cfg.laco_layer_widths = [{"intermediate_size": keep_ffn, "num_attention_heads": cfg.num_attention_heads,
-                              "num_key_value_heads": cfg.num_key_value_heads} for _ in range(cfg.num_hidden_layers)]
+    write_widths(cfg, [{"intermediate_size": keep_ffn, "num_attention_heads": cfg.num_attention_heads,
+                        "num_key_value_heads": cfg.num_key_value_heads} for _ in range(cfg.num_hidden_layers)])
     return _write(loaded, out, {"pattern": "structured", "target_sparsity": 0.25, "sparsity": 0.25})

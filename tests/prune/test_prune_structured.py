@@ -72,7 +72,10 @@ def test_structured_run_matches_masked_dense_model(tiny_llama_dir, tmp_path, met
     result = run(ModelConfig(model=str(tiny_llama_dir)), data_cfg, PruneConfig(structured=0.3, structured_metric=metric), out)
     cfg = json.loads((out / "config.json").read_text())
     # 128 FFN channels -> 38 removed; 2 KV groups -> round(0.6) = 1 removed
-    assert cfg["laco_layer_widths"] == [{"intermediate_size": 90, "num_attention_heads": 2, "num_key_value_heads": 1}] * 2
+    # uniform widths in transformers' own keys; head_dim pinned (hidden 64 / 2 heads would say 32)
+    assert {k: cfg[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")} == \
+        {"intermediate_size": 90, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+    assert "laco_layer_widths" not in cfg and "laco_loader" not in cfg
     assert cfg["laco_deploy"]["pattern"] == "structured"
     removed = 2 * (38 * 64 * 3) + 2 * (64 * 64 * 2 + 32 * 64 * 2) // 2
     total = 2 * (128 * 64 * 3 + 64 * 64 * 2 + 32 * 64 * 2)
@@ -93,7 +96,8 @@ def test_structured_ffn_only_targets_keep_attention(tiny_llama_dir, tmp_path, da
     run(ModelConfig(model=str(tiny_llama_dir)), data_cfg,
         PruneConfig(structured=0.5, targets=("gate_proj", "up_proj", "down_proj")), out)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["laco_layer_widths"][0] == {"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    assert {k: cfg[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads")} == \
+        {"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def test_structured_ratio_leaving_no_head_group_is_refused(tiny_llama_dir, tmp_path, data_cfg):
