@@ -70,11 +70,11 @@ def score(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
     return {d: round(perplexity(model, w), 3) for d, w in windows.items()}
 
 
-def run_variant(name: str, sparse_dir: Path, dense, tokenizer, windows, workdir: Path) -> dict:
+def run_variant(name: str, sparse_dir: Path, dense, tokenizer, windows, workdir: Path, calib: str) -> dict:
     samples, seqlen, overrides = VARIANTS[name]
     cfg = dataclasses.replace(CompensateConfig(), samples=samples, **overrides)
     sparse = load_model(str(sparse_dir)).model
-    ids = calibration_samples(tokenizer, "builtin", samples, seqlen, 0)
+    ids = calibration_samples(tokenizer, calib, samples, seqlen, 0)
     device = torch.device("cpu")
     meter = laco.SegmentMeter(device)
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def run_variant(name: str, sparse_dir: Path, dense, tokenizer, windows, workdir:
     meter.close()
     wall = time.perf_counter() - t0
     return {"ppl": score(sparse, windows), "wall_s": round(wall, 1), "samples": samples, "seqlen": seqlen,
-            "overrides": overrides}
+            "overrides": overrides, "calib": calib}
 
 
 def gap(row: dict, dense: dict, pruned: dict) -> dict[str, float]:
@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "generalization.json")
     ap.add_argument("--workdir", type=Path, default=HERE / "results" / "generalization-work")
     ap.add_argument("--eval-windows", type=int, default=16)
+    ap.add_argument("--calib", default="builtin",
+                    help="calibration text of every variant (default: builtin); rows are named VARIANT@LABEL otherwise")
+    ap.add_argument("--calib-label", default=None, help="short name of --calib for row names")
     ap.add_argument("--domains", default=None, help="comma-separated evaluation specs (default: every shipped domain)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
@@ -111,8 +114,10 @@ def main() -> None:
                        "pruned": {"ppl": score(load_model(str(sparse_dir)).model, windows)}}
     d, p = doc["rows"]["dense"]["ppl"], doc["rows"]["pruned"]["ppl"]
     for name in args.variants.split(","):
-        row = run_variant(name, sparse_dir, dense, tok, windows, args.workdir)
+        row = run_variant(name, sparse_dir, dense, tok, windows, args.workdir, args.calib)
         row["gap_closed"] = gap(row["ppl"], d, p)
+        if args.calib != "builtin":
+            name = f"{name}@{args.calib_label or Path(args.calib).stem}"
         doc["rows"][name] = row
         doc["protocol"] = {"prune": "Wanda 50% unstructured, builtin 64 x 256", "eval": f"{args.eval_windows} x 256 per domain",
                            "threads": torch.get_num_threads()}

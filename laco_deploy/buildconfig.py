@@ -15,6 +15,7 @@ Flags override the file; unknown keys are errors (a typo must not silently keep 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ import yaml
 from laco_deploy.config import BuildConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.targets import TARGETS
+
+log = logging.getLogger(__name__)
 
 
 def _section_types() -> dict[str, type]:
@@ -83,7 +86,20 @@ def merge(file_values: dict[str, Any], overrides: dict[str, Any]) -> BuildConfig
     problems = cfg.validate() + _cross_checks(cfg)
     if problems:
         raise ConfigError("invalid settings: " + "; ".join(problems))
-    return cfg
+    return _quant_aware_default(cfg, "quant_aware" in sections.get("compensate", {}))
+
+
+def _quant_aware_default(cfg: BuildConfig, given: bool) -> BuildConfig:
+    """LaCo trains through the exported weights when the target registry says that helps for this
+    export type (targets.Target.quant_aware_defaults), unless compensate.quant_aware was given."""
+    comp = cfg.compensate
+    qa = TARGETS[cfg.export.target].quant_aware_default(cfg.export.resolved_quant)
+    if given or qa is None or comp.method != "laco" or comp.trainable != "weights":
+        return cfg
+    log.info("quantization-aware LaCo on (--quant-aware %s, the default for %s %s builds: measured to lower the "
+             "runtime perplexity); compensate.quant_aware: null turns it off", qa, cfg.export.target,
+             cfg.export.resolved_quant)
+    return dataclasses.replace(cfg, compensate=dataclasses.replace(comp, quant_aware=qa))
 
 
 def _cross_checks(cfg: BuildConfig) -> list[str]:

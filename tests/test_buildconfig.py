@@ -43,3 +43,13 @@ def test_bad_yaml(tmp_path):
         read_config_file(f)
     with pytest.raises(ConfigError, match="not found"):
         read_config_file(tmp_path / "none.yaml")
+
+
+def test_quant_aware_laco_is_the_default_where_the_target_says_so(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="laco_deploy.buildconfig"):
+        assert merge({}, {"export.quant": "q4_k_m"}).compensate.quant_aware == "q4_k_m"
+    assert "quantization-aware LaCo on" in caplog.text
+    assert merge({}, {}).compensate.quant_aware is None  # q8_0: not measured to help
+    assert merge({"compensate": {"quant_aware": None}}, {"export.quant": "q4_k_m"}).compensate.quant_aware is None
+    assert merge({"compensate": {"quant_aware": "q6_k"}}, {"export.quant": "q4_k_m"}).compensate.quant_aware == "q6_k"
+    assert merge({}, {"export.quant": "q4_k_m", "compensate.method": "none"}).compensate.quant_aware is None
