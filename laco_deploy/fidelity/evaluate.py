@@ -7,6 +7,10 @@ give the logits window by window. Runtime candidates (GGUF, ONNX exports) are op
 `laco_deploy.bench.runner.open_runner` one at a time, scored against the dense logits of the same
 windows and closed before the next one loads. Only one window's logits per model are alive at a
 time ([seq, vocab] each).
+
+Under torchrun each rank scores a contiguous shard of the windows; the per-window results and
+sums are gathered (in window order, as one process makes them) before the metrics are computed,
+and rank 0 writes the reports and runs the zero-shot tasks.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 import torch
 
+from laco_deploy import distributed
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
@@ -71,6 +76,14 @@ class _DomainSums:
         self.nll_sum += nll.sum().item()
         self.nll_count += nll.numel()
 
+    def absorb(self, other: _DomainSums) -> None:
+        """Add the sums of windows scored elsewhere (another rank)."""
+        self.kl_sum += other.kl_sum
+        self.nll_sum += other.nll_sum
+        self.top1 += other.top1
+        self.tokens += other.tokens
+        self.nll_count += other.nll_count
+
     def metrics(self, dense_ppl: float) -> dict[str, Any]:
         ppl = M.perplexity(self.nll_sum, self.nll_count)
         return {"ppl": ppl, "ppl_ratio": ppl / dense_ppl, "kl_mean": self.kl_sum / self.tokens,
@@ -105,6 +118,20 @@ class _Stats:
         self.nll_count += nll.numel()
         self.per_window.append({"domain": domain, "kl_mean": kl.mean().item(), "top1": agree.float().mean().item(),
                                 "nll_mean": nll.mean().item()})
+
+    def absorb(self, other: _Stats) -> None:
+        """Append the windows another rank scored (they follow this rank's in window order)."""
+        for domain, sums in other.domains.items():
+            self.domains.setdefault(domain, _DomainSums()).absorb(sums)
+        self.kl.extend(other.kl)
+        self.per_window.extend(other.per_window)
+        self.top1 += other.top1
+        self.delta_sum += other.delta_sum
+        self.tokens += other.tokens
+        self.nll_sum += other.nll_sum
+        self.nll_count += other.nll_count
+        if self.curves is not None and other.curves is not None:
+            self.curves.absorb(other.curves)
 
     def metrics(self, dense_ppl: float) -> dict[str, Any]:
         kl = torch.cat(self.kl)
@@ -151,17 +178,20 @@ def run(
     windows = torch.cat(list(per_domain.values()))  # [n_windows, seqlen], domain after domain
     window_domain = [label for label, w in per_domain.items() for _ in range(w.shape[0])]
     notes: list[str] = []
+    part = distributed.shard(windows.shape[0], "evaluation windows")  # all of them in one process
+    mine, my_domain = windows[part.start:part.stop], window_domain[part.start:part.stop]
     resident = lambda path: _load_resident(path, model_cfg)  # noqa: E731
-    tp = run_torch_pass(dense_dir, torch_cands, windows, device, layerwise=fid_cfg.layerwise, notes=notes,
+    tp = run_torch_pass(dense_dir, torch_cands, mine, device, layerwise=fid_cfg.layerwise, notes=notes,
                         load_resident=resident)
     stats = {label: _Stats("pytorch", tp.curves[label]) for label in torch_cands}
-    dense_nll, dense_by_domain = _score_torch(windows, window_domain, tp, stats)
+    dense_nll, dense_by_domain = _score_torch(mine, my_domain, tp, stats)
     tp.release(keep=(DENSE,) if runtime_cands else ())
     for label, path in runtime_cands.items():
-        stats[label] = _score_runtime(label, path, windows, window_domain, tp, fid_cfg)
+        stats[label] = _score_runtime(label, path, mine, my_domain, tp, fid_cfg)
     tp.close()
+    dense_nll, dense_by_domain, stats = _gather(dense_nll, dense_by_domain, stats)
     zeroshot = None
-    if zs_tasks is not None:
+    if zs_tasks is not None and distributed.is_main():
         from laco_deploy.fidelity.zeroshot import evaluate_models
 
         zeroshot = evaluate_models(zs_tasks, fid_cfg, tokenizer, _zeroshot_loaders(model_cfg, torch_cands, device),
@@ -192,8 +222,25 @@ def run(
     )
     from laco_deploy.fidelity.report import write_reports
 
-    write_reports(result, report_dir)
+    if distributed.is_main():
+        write_reports(result, report_dir)
     return result
+
+
+def _gather(dense_nll: tuple[float, int], by_domain: dict[str, tuple[float, int]], stats: dict[str, _Stats]):
+    """Every rank's window results, merged in rank (= window) order; unchanged in one process."""
+    if distributed.world() == 1:
+        return dense_nll, by_domain, stats
+    parts = distributed.gather_all((dense_nll, by_domain, stats))
+    nll, merged_domain, merged = parts[0]
+    for other_nll, other_domain, other_stats in parts[1:]:
+        nll = (nll[0] + other_nll[0], nll[1] + other_nll[1])
+        for d, (s, n) in other_domain.items():
+            s0, n0 = merged_domain.get(d, (0.0, 0))
+            merged_domain[d] = (s0 + s, n0 + n)
+        for label, st in other_stats.items():
+            merged[label].absorb(st)
+    return nll, merged_domain, merged
 
 
 def _split_candidates(candidates: dict[str, str | Path]) -> tuple[dict[str, Path], dict[str, Path]]:

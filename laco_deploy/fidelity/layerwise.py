@@ -76,6 +76,13 @@ class LayerCurves:
         self.cos_sum[i] += cosine(cand, dense).sum().item()
         self.tokens[i] += cand[..., 0].numel()
 
+    def absorb(self, other: LayerCurves) -> None:
+        """Add the sums of tokens scored elsewhere (another rank's windows)."""
+        for i in range(self.num_layers):
+            self.rel_sum[i] += other.rel_sum[i]
+            self.cos_sum[i] += other.cos_sum[i]
+            self.tokens[i] += other.tokens[i]
+
     def to_list(self) -> list[dict[str, float]]:
         """[{layer, rel_error, cosine}] averaged over tokens, one entry per decoder layer."""
         return [{"layer": i, "rel_error": r / max(n, 1), "cosine": c / max(n, 1)}
