@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from laco_deploy import __version__
+from laco_deploy import __version__, distributed
 from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.models import resolve_device
 from laco_deploy.pipeline_stages import BuildRecipe
@@ -64,6 +64,7 @@ def build(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None) 
     recipe = prepare(cfg, on_stage)
     manifest = recipe.cache.manifest
     manifest["gates_passed"] = recipe.run()
-    manifest["summary"] = summarize(manifest)
-    recipe.cache.save()
-    return manifest
+    if distributed.is_main():  # torchrun: the other ranks did not run export and bench themselves
+        manifest["summary"] = summarize(manifest)
+        recipe.cache.save()
+    return distributed.gather_all(manifest if distributed.is_main() else None)[0]

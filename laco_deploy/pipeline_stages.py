@@ -148,7 +148,7 @@ class BuildRecipe:
                 results[label] = target.export(model_dir, outputs[label], lay.quant, sparse_storage=sparse).to_dict()
             return results
 
-        return self.cache.run("export", settings, inputs, outputs, run).outputs
+        return self.cache.run("export", settings, inputs, outputs, run, main_only=True).outputs
 
     def fidelity(self, src: dict[str, Output], pruned: Output, recovered: Output, exported: dict[str, Output]) -> bool:
         """Fidelity reports for the pruned, recovered and exported models; -> whether every gate passed."""
@@ -191,4 +191,4 @@ class BuildRecipe:
             write_json(out, result.to_dict())
             return result
 
-        self.cache.run("bench", settings, dict(exported), {"bench.json": out}, run)
+        self.cache.run("bench", settings, dict(exported), {"bench.json": out}, run, main_only=True)

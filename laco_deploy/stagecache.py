@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
-from laco_deploy import __version__
+from laco_deploy import __version__, distributed
 from laco_deploy.fsutil import sha256_tree, write_json
 from laco_deploy.memory import measure, release_memory
 
@@ -78,7 +78,8 @@ class StageCache:
             return {}
 
     def save(self) -> None:
-        write_json(self.manifest_path, self.manifest)
+        if distributed.is_main():  # torchrun: rank 0 keeps the manifest
+            write_json(self.manifest_path, self.manifest)
 
     def source(self, label: str, fingerprint: str) -> Output:
         """Record a build input's fingerprint; -> the Output that stages name as their input."""
@@ -100,14 +101,16 @@ class StageCache:
                 for name, value in inputs.items()}
 
     def run(self, name: str, settings: dict[str, Any], inputs: Inputs, outputs: dict[str, Path],
-            fn: Callable[[], Any]) -> StageRun:
-        """Run `fn` unless a previous run with the same key left intact outputs; record it either way."""
+            fn: Callable[[], Any], *, main_only: bool = False) -> StageRun:
+        """Run `fn` unless a previous run with the same key left intact outputs; record it either way.
+        `main_only`: a stage that is not split over torchrun ranks (export, bench) runs on rank 0
+        while the others wait; every rank then reads the same outputs."""
         hashes = self._resolve(inputs)
         key = hashlib.sha256(json.dumps({"settings": settings, "inputs": hashes, "version": __version__},
                                         sort_keys=True, default=str).encode()).hexdigest()
         handles = {label: Output(name, label, Path(p)) for label, p in outputs.items()}
         old = self.manifest["stages"].get(name)
-        if old and old.get("key") == key and self._outputs_intact(old):
+        if distributed.agree(bool(old and old.get("key") == key and self._outputs_intact(old))):
             self.on_stage(name, "reused")
             old["reused"] = True
             self.save()
@@ -115,7 +118,8 @@ class StageCache:
         self.on_stage(name, "running")
         release_memory()  # the stage's peak starts from what the build holds, not what earlier stages freed
         with measure(self.device) as m:
-            result = fn()
+            result = fn() if distributed.is_main() or not main_only else None
+        distributed.barrier()  # rank 0's outputs are complete before any rank hashes or reads them
         release_memory()
         files = {
             label: {"path": str(p.relative_to(self.root)), "sha256": sha256_tree(p), "bytes": _size(p)}

@@ -50,7 +50,8 @@ def _root(
         import torch
 
         torch.set_num_threads(threads)
-    output.configure(Verbosity.DEBUG if debug else Verbosity.VERBOSE if verbose else Verbosity.QUIET if quiet else Verbosity.NORMAL)
+    level = Verbosity.DEBUG if debug else Verbosity.VERBOSE if verbose else Verbosity.QUIET if quiet else Verbosity.NORMAL
+    output.configure(level if distributed.is_main() else Verbosity.QUIET)
     if not distributed.is_main():
         _silence_rank()
 
@@ -61,9 +62,6 @@ def _silence_rank() -> None:
     import logging
     import os
 
-    from laco_deploy import progress
-
     for name in ("laco_deploy", "exporters"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    progress.set_enabled(False)
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process

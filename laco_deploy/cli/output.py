@@ -152,8 +152,14 @@ def route_libraries() -> None:
 @contextlib.contextmanager
 def log_file(path: Path) -> Iterator[Path]:
     """Append the full detail to `path` while the block runs: our DEBUG records, every library's INFO
-    and up (their DEBUG too with --debug), Python warnings, with timestamps."""
+    and up (their DEBUG too with --debug), Python warnings, with timestamps. In a torchrun job only
+    rank 0 writes it."""
+    from laco_deploy import distributed
+
     path = Path(path)
+    if not distributed.is_main():
+        yield path
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s " + _DETAIL_FORMAT))
