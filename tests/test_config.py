@@ -29,7 +29,7 @@ def test_all_errors_reported_together():
     errs = cfg.validate()
     assert len(errs) == 5
     joined = " ".join(errs)
-    for needle in ("--device 'tpu'", "--samples 0", "--sparsity 2.0", "--loss 'l7'", "--quant 'int8'"):
+    for needle in ("model.device 'tpu'", "data.samples 0", "prune.sparsity 2.0", "compensate.loss 'l7'", "export.quant 'int8'"):
         assert needle in joined
 
 

@@ -30,7 +30,7 @@ def test_config_reads_the_registry():
     for target in TARGETS.values():
         assert ExportConfig(target=target.name).resolved_quant == target.default_quant
         assert ExportConfig(target=target.name).validate() == []
-    assert ExportConfig(target="tflite").validate() == ["--target 'tflite' is not one of gguf, onnx"]
+    assert ExportConfig(target="tflite").validate() == ["export.target 'tflite' is not one of gguf, onnx"]
 
 
 def test_build_layout_names(tmp_path):

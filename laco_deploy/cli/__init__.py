@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover
 
 # the app (cli/app.py), then every command module registering on it (stages.py), then their help epilogs
 from laco_deploy import distributed
-from laco_deploy.cli import helptext, stages  # noqa: F401
+from laco_deploy.cli import flags, helptext, stages  # noqa: F401
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import err_console, state
 from laco_deploy.errors import LacoError
@@ -68,6 +68,12 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _with_flags(message: str) -> str:
+    """Library messages name settings; show the running command's flags instead."""
+    group = typer.main.get_command(app)
+    return flags.with_flags(message, state.command, flags.command_flags(group, state.command))
+
+
 def _run(args: list[str]) -> None:
     try:
         distributed.init_from_env()  # a no-op unless torchrun started more than one process
@@ -75,7 +81,7 @@ def _run(args: list[str]) -> None:
     except LacoError as e:
         if state.debug:
             raise
-        _report(f"[bold red]error:[/] {e}", e.exit_code)
+        _report(f"[bold red]error:[/] {_with_flags(str(e))}", e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:

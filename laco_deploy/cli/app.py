@@ -35,6 +35,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks and every library's debug logs."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also show other libraries' log lines, progress bars and warnings (hidden by default)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and errors on stderr (for CI); results still go to stdout."),
@@ -46,6 +47,7 @@ def _root(
         "Runtime benchmarks have their own --threads."),
 ) -> None:
     state.debug = debug
+    state.command = ctx.invoked_subcommand
     if threads is not None:
         import torch
 

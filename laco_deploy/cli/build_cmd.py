@@ -12,7 +12,7 @@ import typer
 from laco_deploy import __version__
 from laco_deploy.cli import output
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import console
+from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
 from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.errors import GateFailed
 from laco_deploy.fsutil import check_writable
@@ -38,12 +38,12 @@ def build_command(
     samples: Annotated[Optional[int], Opt("--samples", help=f"Calibration samples. (default: {_B.data.samples})", show_default=False)] = None,
     seqlen: Annotated[Optional[int], Opt("--seqlen", help=f"Tokens per sample / evaluation window. (default: {_B.data.seqlen})", show_default=False)] = None,
     eval_samples: Annotated[Optional[int], Opt("--eval-samples", help=f"Evaluation windows per domain. (default: {_B.data.eval_samples})", show_default=False)] = None,
-    seed: Annotated[Optional[int], Opt("--seed", help=f"Seed for sampling and training. (default: {_B.data.seed})", show_default=False)] = None,
+    seed: SeedOpt = None,
     quant: Annotated[Optional[str], Opt("--quant", help=f"Export type. {quant_help()}.", show_default=False)] = None,
-    device: Annotated[Optional[str], Opt("--device", help="auto (CUDA when present), cpu, cuda, cuda:N. (default: auto)", show_default=False)] = None,
+    device: DeviceOpt = None,
     out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
     config: Annotated[Optional[Path], Opt("--config", "-c", help="YAML file with any of these settings by section (model, data, prune, compensate, fidelity, export, bench); flags override it.", show_default=False)] = None,
-    resume: Annotated[bool, Opt("--resume", help="Continue a killed build from its checkpoints (mid-pruning or mid-compensation).")] = False,
+    resume: ResumeOpt = False,
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
     min_top1: Annotated[Optional[float], Opt("--min-top1", help="Gate: fail if top-1 agreement with the dense model is below this.", show_default=False)] = None,
     max_ppl_ratio: Annotated[Optional[float], Opt("--max-ppl-ratio", help="Gate: fail if perplexity / dense perplexity exceeds this.", show_default=False)] = None,

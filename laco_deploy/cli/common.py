@@ -18,20 +18,32 @@ err_console = Console(stderr=True)
 @dataclass
 class _State:
     debug: bool = False
+    command: str | None = None  # the command running (build, prune, bench, ...): its flags name settings in errors
 
 
 state = _State()
 _M, _D = ModelConfig(), DataConfig()
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Dense model: a Hugging Face directory, a .gguf file, a hub id (online only) or 'default' (SmolLM2-135M-Instruct, embedded).")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+# Flags shared by several commands: declared here once, with one help text.
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Where layers run: auto (CUDA when present), cpu, cuda or cuda:N.")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled *.bin weights (can run code on load; only for sources you trust).")]
 CalibOpt = Annotated[str, typer.Option("--calib", help="Calibration text: builtin, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")]
 EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation texts (never used for calibration), comma-separated: 'domains' (builtin Wikipedia, in-domain, plus the shipped fiction, techdoc and code texts, out-of-domain), builtin, builtin:fiction|techdoc|code, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]. Each is reported as its own domain.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of calibration samples.")]
 SeqlenOpt = Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample and evaluation window.")]
 EvalSamplesOpt = Annotated[int, typer.Option("--eval-samples", help="Evaluation windows of --seqlen tokens, per evaluation domain.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for sampling calibration windows and training.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for sampling calibration windows and training.")]
+OffloadOpt = Annotated[str, typer.Option("--offload", help=(
+    "cpu: the model and activations in RAM (compensation streams layers anyway, said in the log, when they would "
+    "not fit); disk: activations memory-mapped and decoder layers streamed from the safetensors files one at a "
+    "time, the result written shard by shard (models larger than RAM). The dense twin of compensation always "
+    "streams one layer at a time."))]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help=(
+    "Continue an interrupted run from its checkpoints (OUT.ckpt; build: the build folder's) with the same "
+    "settings; the result equals an uninterrupted run. Default: off, start over."))]
+BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help=(
+    "Calibration samples per layer call when pruning, per training step when compensating (memory grows with it)."))]
 OptFloat = Optional[float]
 
 

@@ -8,7 +8,18 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import CalibOpt, DeviceOpt, SeedOpt, SeqlenOpt, check, console, model_config
+from laco_deploy.cli.common import (
+    BatchSizeOpt,
+    CalibOpt,
+    DeviceOpt,
+    OffloadOpt,
+    ResumeOpt,
+    SeedOpt,
+    SeqlenOpt,
+    check,
+    console,
+    model_config,
+)
 from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
 from laco_deploy.fsutil import check_writable
 
@@ -44,7 +55,7 @@ def compensate_command(
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the calibration samples per layer (LoRA: over the model).")] = _C.epochs,
     lr: Annotated[float, typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule).")] = _C.lr,
     lr_last_factor: Annotated[float, typer.Option("--lr-last-factor", help="LaCo: the last layer's LR is lr * this (geometric decay over depth).")] = _C.lr_last_factor,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Samples per step.")] = _C.batch_size,
+    batch_size: BatchSizeOpt = _C.batch_size,
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Steps of gradient accumulation per update.")] = _C.grad_accum,
     train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="LaCo: also train the RMSNorm scales.")] = _C.train_norms,
     trainable: Annotated[str, typer.Option("--trainable", help="LaCo: what is trained. weights: the surviving weights (best measured); channel: one scale per output channel; lowrank: a rank --correction-rank update under the mask. The corrections are merged back, so the model has no extra modules; they need less gradient and optimizer memory.")] = _C.trainable,
@@ -56,8 +67,8 @@ def compensate_command(
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
     lora_lr: Annotated[float, typer.Option("--lora-lr", help="LoRA AdamW learning rate.")] = _C.lora_lr,
-    offload: Annotated[str, typer.Option("--offload", help="cpu: pruned model and activations in RAM (streamed anyway, said in the log, when they would not fit); disk: activations memory-mapped and only the current layer pair in memory, layers streamed from safetensors, result written shard by shard. The dense model always streams one layer at a time.")] = _C.offload,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from OUT.ckpt after an interrupted run (same result as uninterrupted). Default: off, start over.")] = False,
+    offload: OffloadOpt = _C.offload,
+    resume: ResumeOpt = False,
     device: DeviceOpt = ModelConfig.device,
     calib: CalibOpt = _D.calib,
     samples: Annotated[Optional[int], typer.Option("--samples", help=f"Calibration samples. Default: {_C.gpu_samples} on CUDA (the paper), {_C.cpu_samples} on CPU (a small budget, at most {_C.cpu_seqlen} tokens each).")] = None,

@@ -10,6 +10,7 @@ import typer
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import (
     DeviceOpt,
+    OffloadOpt,
     EvalSamplesOpt,
     ModelOpt,
     SamplesOpt,
@@ -27,7 +28,7 @@ MIB = 2**20
 @app.command("plan")
 def plan_command(
     model: ModelOpt = _M.model,
-    offload: Annotated[str, typer.Option("--offload", help="cpu: the pruned model resident while pruning and compensating; disk: decoder layers streamed from safetensors (what --offload disk of prune and compensate do).")] = _P.offload,
+    offload: OffloadOpt = _P.offload,
     samples: SamplesOpt = _D.samples,
     seqlen: SeqlenOpt = _D.seqlen,
     eval_samples: EvalSamplesOpt = _D.eval_samples,

@@ -45,12 +45,12 @@ class LayerCheckpoints:
         if self.resume and meta.is_file():
             if json.loads(meta.read_text()) != self.fingerprint:
                 raise ConfigError(
-                    f"resume: the checkpoints in {self.directory} were made with other settings; "
-                    "rerun with the same settings, or without resume to start over"
+                    f"the checkpoints in {self.directory} were made with other settings; "
+                    "rerun with the same settings, or start over without resuming"
                 )
             return
         if self.resume:
-            log.warning("resume: no checkpoints in %s; starting from the first layer", self.directory)
+            log.warning("no checkpoints to resume from in %s; starting from the first layer", self.directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         for old_file in list(self.directory.glob("layer_*")):
             old_file.unlink()

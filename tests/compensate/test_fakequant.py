@@ -184,8 +184,8 @@ def test_straight_through_forward_and_gradient():
 def test_config_checks():
     assert _cfg(quant_aware="q4_k_m").validate() == []
     assert "not one of" in " ".join(_cfg(quant_aware="q3_k").validate())
-    assert "--trainable weights" in " ".join(_cfg(quant_aware="q8_0", trainable="channel").validate())
-    assert "--method laco" in " ".join(_cfg(quant_aware="q8_0", method="lora").validate())
+    assert "compensate.trainable weights" in " ".join(_cfg(quant_aware="q8_0", trainable="channel").validate())
+    assert "compensate.method laco" in " ".join(_cfg(quant_aware="q8_0", method="lora").validate())
 
 
 @pytest.fixture(scope="module")

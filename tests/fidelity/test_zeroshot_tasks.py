@@ -157,4 +157,4 @@ def test_fingerprint_follows_the_task_file_and_its_data(tmp_path):
 def test_config_checks_the_task_settings():
     assert FidelityConfig(tasks=(SAMPLE,), task_limit=5).validate() == []
     errs = FidelityConfig(tasks="laco_sample_mc", task_limit=0, task_batch_size=0).validate()
-    assert any("--tasks" in e for e in errs) and any("--task-limit 0" in e for e in errs) and len(errs) == 3
+    assert any("fidelity.tasks" in e for e in errs) and any("fidelity.task_limit 0" in e for e in errs) and len(errs) == 3
