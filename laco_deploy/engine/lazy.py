@@ -1,8 +1,8 @@
 """Models larger than RAM: decoder layers streamed from the safetensors files, one at a time.
 
 `LazyModel.open(dir)` builds the model on the `meta` device (no memory) and loads only what is
-not a decoder layer (embeddings, final norm, LM head, rotary tables). `walk_layers(...,
-layer_loader=lazy)` then materialises layer i from disk just before its step and, after it,
+not a decoder layer (embeddings, final norm, LM head, rotary tables). `walk_layers(Lane(model,
+inputs, lazy), ...)` then materialises layer i from disk just before its step and, after it,
 writes the (pruned / compensated) layer to a spill file and returns it to `meta`. `save()`
 assembles a sharded Hugging Face directory (one shard per layer plus one for the rest, with
 `model.safetensors.index.json`) from the spill files, again one layer in memory at a time.
