@@ -85,6 +85,7 @@ def plan_model(config: dict[str, Any]) -> ModelPlan:
         if w["intermediate_size"] == 0 and w["num_attention_heads"] > 0:
             raise ExportError(f"layer {i} has no FFN channels left; llama.cpp's per-layer graph (deci) would drop its "
                               "attention too. Prune less than all channels of a layer")
+    _check_family(hf_arch, config, n_layers, head_dim)
     per_layer = any(w != widths[0] for w in widths)
     if per_layer and not ARCHITECTURES[hf_arch].per_layer_as_deci:
         raise ExportError(f"{hf_arch} with widths that differ between layers cannot be written as GGUF: llama.cpp's "
@@ -95,9 +96,34 @@ def plan_model(config: dict[str, Any]) -> ModelPlan:
                      config.get("tie_word_embeddings"))
 
 
+def _check_family(hf_arch: str, config: dict[str, Any], n_layers: int, head_dim: int) -> None:
+    """Refuse settings that llama.cpp's graph for this family fixes otherwise (it would run, wrongly)."""
+    spec = ARCHITECTURES[hf_arch]
+    if spec.tied_only and config.get("tie_word_embeddings") is False:
+        raise ExportError(f"{hf_arch} with an untied LM head cannot be written as GGUF: llama.cpp's "
+                          f"{gguf.MODEL_ARCH_NAMES[spec.arch]} graph always uses the embeddings as the head")
+    if spec.swa_period and config.get("layer_types"):
+        p = spec.swa_period
+        expected = ["sliding_attention" if i % p < p - 1 else "full_attention" for i in range(n_layers)]
+        if list(config["layer_types"]) != expected:
+            raise ExportError(f"layer_types {config['layer_types']} differ from llama.cpp's fixed {hf_arch} pattern "
+                              f"(one full-attention layer after every {p - 1} sliding ones); cannot export to GGUF")
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if spec.local_rope_theta and float(local.get("rope_theta", spec.local_rope_theta)) != spec.local_rope_theta:
+        raise ExportError(f"sliding layers' RoPE base {local['rope_theta']} differs from llama.cpp's fixed "
+                          f"{spec.local_rope_theta:g} for {hf_arch}; cannot export to GGUF")
+    scalar = config.get("query_pre_attn_scalar")
+    if spec.query_scale_is_head_dim and scalar is not None and int(scalar) != head_dim:
+        raise ExportError(f"query_pre_attn_scalar {scalar} differs from head_dim {head_dim}: llama.cpp's "
+                          f"{hf_arch} graph scales queries by 1/sqrt(head_dim); cannot export to GGUF")
+
+
 def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings whether transformers wrote `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x)."""
+    """RoPE settings whether transformers wrote `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x).
+    Per-layer-type parameters (Gemma 3) give those of the full-attention layers (llama.cpp's freq_base)."""
     params = dict(config.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     params.update(config.get("rope_scaling") or {})
     if "rope_theta" not in params and "rope_theta" in config:
         params["rope_theta"] = config["rope_theta"]
@@ -119,9 +145,9 @@ def write_hparams(writer: gguf.GGUFWriter, plan: ModelPlan, config: dict[str, An
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_key_length(plan.head_dim)
     writer.add_value_length(plan.head_dim)
-    writer.add_rope_dimension_count(plan.head_dim)
-    writer.add_vocab_size(plan.n_vocab)
     rope = _rope(config)
+    writer.add_rope_dimension_count(int(plan.head_dim * float(rope.get("partial_rotary_factor") or 1.0)))
+    writer.add_vocab_size(plan.n_vocab)
     if rope.get("rope_theta") is not None:
         writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = (rope.get("rope_type") or "default").lower()
@@ -134,6 +160,12 @@ def write_hparams(writer: gguf.GGUFWriter, plan: ModelPlan, config: dict[str, An
         writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     elif kind not in ("default", "llama3"):  # llama3 is a rope_freqs tensor, see extra_tensors
         raise ExportError(f"RoPE type {kind!r} is not supported for GGUF export; supported: default, linear, yarn, llama3")
+    for key, config_key, kind, default in plan.spec.extra_keys:
+        value = config.get(config_key)
+        value = default if value is None else value
+        if value is not None:
+            name = key.format(arch=plan.arch_name)
+            writer.add_float32(name, float(value)) if kind is float else writer.add_uint32(name, int(value))
 
 
 def extra_tensors(plan: ModelPlan, config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
@@ -190,6 +222,7 @@ class TensorEntry:
     file: Path
     shape: tuple[int, ...]  # HF [out, in] order
     rope_heads: int | None  # q/k projections: heads whose rows are reordered for llama.cpp's RoPE
+    shift: float = 0.0  # added to the values (Gemma's norms: HF stores w, llama.cpp multiplies by 1 + w)
 
 
 def tensor_entries(model_dir: Path, plan: ModelPlan) -> list[TensorEntry]:
@@ -201,7 +234,7 @@ def tensor_entries(model_dir: Path, plan: ModelPlan) -> list[TensorEntry]:
     for path in safetensor_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                if key.endswith(SKIPPED_SUFFIXES) or (plan.tied and key == "lm_head.weight"):
+                if key.endswith(SKIPPED_SUFFIXES) or ((plan.tied or plan.spec.tied_only) and key == "lm_head.weight"):
                     continue
                 name = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if name is None:
@@ -214,7 +247,8 @@ def tensor_entries(model_dir: Path, plan: ModelPlan) -> list[TensorEntry]:
                 heads = None
                 if plan.spec.permute_qk and w is not None:
                     heads = w["num_attention_heads"] if ".q_proj." in key else w["num_key_value_heads"] if ".k_proj." in key else None
-                out.append(TensorEntry(name, key, path, tuple(f.get_slice(key).get_shape()), heads))
+                shift = plan.spec.norm_shift if key.endswith("norm.weight") else 0.0
+                out.append(TensorEntry(name, key, path, tuple(f.get_slice(key).get_shape()), heads, shift))
     return out
 
 
@@ -226,6 +260,8 @@ def read_tensor(entry: TensorEntry) -> np.ndarray:
         tensor = f.get_tensor(entry.key).to(torch.float32)
     if entry.rope_heads is not None:
         tensor = permute_rope_rows(tensor, entry.rope_heads)
+    if entry.shift:
+        tensor = tensor + entry.shift
     return tensor.contiguous().numpy()
 
 

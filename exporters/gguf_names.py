@@ -31,6 +31,20 @@ class ArchSpec:
     # Per-layer widths (structured pruning with widths that differ between layers) are written as
     # `deci`, a Llama graph: only for families whose layers are Llama's (no q/k norms, no extra norms).
     per_layer_as_deci: bool = True
+    # added to every `*norm.weight` (Gemma's RMSNorm scales by 1 + w; llama.cpp's by w)
+    norm_shift: float = 0.0
+    # extra hyper-parameters: (GGUF key template, config.json key, float or int, default), written
+    # when the config sets them or a default is given
+    extra_keys: tuple[tuple[str, str, type, float | int | None], ...] = ()
+    # llama.cpp has no output tensor for this architecture: the head must be tied to the embeddings
+    tied_only: bool = False
+    # llama.cpp fixes the sliding-window layers itself (layer i slides unless i % period == period - 1)
+    # instead of reading them; the config's layer_types must agree
+    swa_period: int | None = None
+    # llama.cpp fixes the RoPE base of sliding layers (config rope_parameters["sliding_attention"])
+    local_rope_theta: float | None = None
+    # llama.cpp scales queries by 1/sqrt(head_dim); a config asking otherwise (query_pre_attn_scalar) is refused
+    query_scale_is_head_dim: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -44,6 +58,29 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # Qwen3: arch `qwen3`, Qwen2's hyper-parameters plus per-head q/k RMSNorms (attn_q_norm,
     # attn_k_norm, [head_dim]); NEOX RoPE, no biases; small models tie the head.
     "Qwen3ForCausalLM": ArchSpec(gguf.MODEL_ARCH.QWEN3, permute_qk=False, per_layer_as_deci=False),
+    # Gemma 2 (conversion/gemma.py Gemma2Model): arch `gemma2`; every norm + 1; attention and final
+    # soft-capping and the window as hyper-parameters; lm_head never written (llama.cpp's gemma2 has no
+    # output tensor); llama.cpp applies the sqrt(hidden) embedding scale and the post-norms itself.
+    "Gemma2ForCausalLM": ArchSpec(
+        gguf.MODEL_ARCH.GEMMA2, permute_qk=False, per_layer_as_deci=False, norm_shift=1.0, tied_only=True,
+        extra_keys=((gguf.Keys.LLM.ATTN_LOGIT_SOFTCAPPING, "attn_logit_softcapping", float, None),
+                    (gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, "final_logit_softcapping", float, None),
+                    (gguf.Keys.Attention.SLIDING_WINDOW, "sliding_window", int, None)),
+        swa_period=2, query_scale_is_head_dim=True),
+    # Gemma 3 text (Gemma3Model): arch `gemma3`; norms (q/k norms too) + 1; rope.freq_base is the
+    # full-attention layers' base, the sliding layers' base is fixed at 1e4 by llama.cpp.
+    "Gemma3ForCausalLM": ArchSpec(
+        gguf.MODEL_ARCH.GEMMA3, permute_qk=False, per_layer_as_deci=False, norm_shift=1.0,
+        extra_keys=((gguf.Keys.LLM.FINAL_LOGIT_SOFTCAPPING, "final_logit_softcapping", float, None),
+                    (gguf.Keys.Attention.SLIDING_WINDOW, "sliding_window", int, None)),
+        swa_period=6, local_rope_theta=10000.0, query_scale_is_head_dim=True),
+    # Phi-3 (conversion/phi.py Phi3MiniModel): arch `phi3`; fused qkv_proj -> attn_qkv and gate_up_proj
+    # -> ffn_up ([gate; up] rows, split by llama.cpp) written as they are; NEOX RoPE; the original
+    # context length, and the sliding window (0: none), as hyper-parameters.
+    "Phi3ForCausalLM": ArchSpec(
+        gguf.MODEL_ARCH.PHI3, permute_qk=False, per_layer_as_deci=False,
+        extra_keys=((gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, "original_max_position_embeddings", int, None),
+                    (gguf.Keys.Attention.SLIDING_WINDOW, "sliding_window", int, 0))),
 }
 MODEL_TYPES = families.MODEL_TYPES  # config.json model_type -> the class above (laco_deploy/families.py)
 

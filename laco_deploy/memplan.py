@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from laco_deploy.config import PRUNABLE_LINEARS
 from laco_deploy.memory import proc_bytes
 from laco_deploy.models import decoder_layers, linear_modules
 
@@ -41,8 +42,8 @@ def weight_bytes(model) -> dict[str, int]:
     """fp32 bytes of a (skeleton) model: all decoder layers, the largest one and its largest linear,
     embeddings, head (0 when tied), total; plus the shapes the estimates need."""
     layers = [sum(p.numel() for p in layer.parameters()) * FP32 for layer in decoder_layers(model)]
-    linears = [lin.weight.numel() * FP32 for layer in decoder_layers(model) for lin in linear_modules(
-        layer, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")).values()]
+    linears = [lin.weight.numel() * FP32 for layer in decoder_layers(model)
+               for lin in linear_modules(layer, PRUNABLE_LINEARS).values()]
     embed = model.model.embed_tokens.weight.numel() * FP32
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     head = 0 if tied else model.lm_head.weight.numel() * FP32

@@ -269,7 +269,8 @@ def ensure_gguf_converted(gguf: Path) -> Path:
 def _gguf_config(gguf: Path):
     """transformers' config for a GGUF file, with the keys its GGUF mapping does not read filled in
     from the file: head_dim from `{arch}.attention.key_length` (Qwen3 and Gemma heads are not
-    hidden / heads wide; without it the layers are built at the wrong size)."""
+    hidden / heads wide; without it the layers are built at the wrong size), and Gemma's query
+    scale, which llama.cpp's graphs take from head_dim (the GGUF has no key for it)."""
     from gguf import GGUFReader
     from transformers import AutoConfig
 
@@ -279,6 +280,8 @@ def _gguf_config(gguf: Path):
     key_length = reader.get_field(f"{arch}.attention.key_length")
     if key_length is not None and hasattr(config, "head_dim"):
         config.head_dim = int(key_length.contents())
+    if hasattr(config, "query_pre_attn_scalar"):  # Gemma: llama.cpp scales queries by 1/sqrt(head_dim)
+        config.query_pre_attn_scalar = config.head_dim
     return config
 
 
@@ -324,11 +327,13 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def linear_modules(layer, targets) -> dict[str, torch.nn.Linear]:
-    """The prunable linears of one decoder layer, by short name (q_proj ... down_proj)."""
+    """The linears of one decoder layer that `targets` (projection names, q_proj ... down_proj) select,
+    by module name; a fused linear (Phi-3's qkv_proj) is selected by its parts (families.Family)."""
+    wanted = set(targets) | set(families.of_layer(layer).module_names(targets))
     out = {}
     for name, mod in layer.named_modules():
         short = name.rsplit(".", 1)[-1]
-        if short in targets and isinstance(mod, torch.nn.Linear):
+        if short in wanted and isinstance(mod, torch.nn.Linear):
             out[name] = mod
     return out
 

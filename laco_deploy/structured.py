@@ -79,18 +79,22 @@ def _resize_linear(linear: torch.nn.Linear, out_features: int, in_features: int)
 def shrink_layer(layer: torch.nn.Module, width: dict[str, int], head_dim: int) -> None:
     """Replace a decoder layer's linears with empty ones of the recorded widths (weights loaded later)."""
     attn, mlp = layer.self_attn, layer.mlp
-    hidden = attn.q_proj.in_features
-    q_out = width["num_attention_heads"] * head_dim
-    kv_out = width["num_key_value_heads"] * head_dim
-    attn.q_proj = _resize_linear(attn.q_proj, q_out, hidden)
-    attn.k_proj = _resize_linear(attn.k_proj, kv_out, hidden)
-    attn.v_proj = _resize_linear(attn.v_proj, kv_out, hidden)
-    attn.o_proj = _resize_linear(attn.o_proj, hidden, q_out)
+    hidden = attn.o_proj.out_features
+    if hasattr(attn, "q_proj"):  # a fused qkv_proj (Phi-3) keeps every head: nothing to resize
+        q_out = width["num_attention_heads"] * head_dim
+        kv_out = width["num_key_value_heads"] * head_dim
+        attn.q_proj = _resize_linear(attn.q_proj, q_out, hidden)
+        attn.k_proj = _resize_linear(attn.k_proj, kv_out, hidden)
+        attn.v_proj = _resize_linear(attn.v_proj, kv_out, hidden)
+        attn.o_proj = _resize_linear(attn.o_proj, hidden, q_out)
     if hasattr(attn, "num_key_value_groups") and width["num_key_value_heads"]:
         attn.num_key_value_groups = width["num_attention_heads"] // width["num_key_value_heads"]
     ffn = width["intermediate_size"]
-    mlp.gate_proj = _resize_linear(mlp.gate_proj, ffn, hidden)
-    mlp.up_proj = _resize_linear(mlp.up_proj, ffn, hidden)
+    if hasattr(mlp, "gate_up_proj"):  # Phi-3: [gate; up] rows
+        mlp.gate_up_proj = _resize_linear(mlp.gate_up_proj, 2 * ffn, hidden)
+    else:
+        mlp.gate_proj = _resize_linear(mlp.gate_proj, ffn, hidden)
+        mlp.up_proj = _resize_linear(mlp.up_proj, ffn, hidden)
     mlp.down_proj = _resize_linear(mlp.down_proj, hidden, ffn)
 
 

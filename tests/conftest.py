@@ -78,3 +78,25 @@ def cli(capsys):
 def tiny_qwen3_dir(tmp_path_factory, bpe_tokenizer) -> Path:
     """2-layer Qwen3: per-head q/k RMSNorms, explicit head_dim, tied head."""
     return tiny.save_tiny(tiny.build_model(tiny.qwen3_config(), seed=5), bpe_tokenizer, tmp_path_factory.mktemp("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """2-layer Gemma 2: sliding (window 16) then full layer, soft-capping, (1 + w) norms drawn away from 0."""
+    return tiny.save_tiny(tiny.build_model(tiny.gemma2_config(), seed=6, norms=0.1), bpe_tokenizer,
+                          tmp_path_factory.mktemp("tiny_gemma2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """6-layer Gemma 3 text: five sliding layers (window 16, local RoPE) then one full layer, q/k norms."""
+    return tiny.save_tiny(tiny.build_model(tiny.gemma3_config(), seed=7, norms=0.1), bpe_tokenizer,
+                          tmp_path_factory.mktemp("tiny_gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """2-layer Phi-3: fused qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up] rows), untied head.
+    The folder name must not contain "phi3": llama.cpp then expects Phi-3's own special tokens by name
+    (general.name is the folder name), which this small BPE vocabulary lacks."""
+    return tiny.save_tiny(tiny.build_model(tiny.phi3_config(), seed=8), bpe_tokenizer, tmp_path_factory.mktemp("tiny_fused"))

@@ -74,8 +74,41 @@ def qwen3_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
                        tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0, bos_token_id=0, eos_token_id=0)
 
 
-def build_model(config, seed: int = 0):
-    """Random-init causal LM with weights scaled so activations look trained-ish (not all tiny)."""
+def gemma2_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
+    """Gemma 2: layer 0 sliding (window 16, crossed by every parity check), layer 1 full; soft-capping
+    of attention scores and logits; query scaling by head_dim as llama.cpp assumes; tied head."""
+    from transformers import Gemma2Config
+
+    return Gemma2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4,
+                        sliding_window=16, max_position_embeddings=512, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def gemma3_config(vocab: int = VOCAB, layers: int = 6, hidden: int = 64):
+    """Gemma 3 text: 6 layers so both kinds exist (5 sliding with local RoPE base 1e4, then 1 full
+    with global base 1e6), window 16, q/k norms, tied head."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                            query_pre_attn_scalar=hidden // 4, sliding_window=16, max_position_embeddings=512,
+                            rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def phi3_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
+    """Phi-3: fused qkv_proj and gate_up_proj, untied head (as Phi-3-mini-4k, without its sliding window)."""
+    from transformers import Phi3Config
+
+    return Phi3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      original_max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False,
+                      rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def build_model(config, seed: int = 0, norms: float = 0.0):
+    """Random-init causal LM with weights scaled so activations look trained-ish (not all tiny).
+    norms > 0: norm scales drawn around their init with that spread (so a wrong norm offset shows)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -86,6 +119,8 @@ def build_model(config, seed: int = 0):
                 p.normal_(0, 0.08)
             elif name.endswith("bias"):
                 p.normal_(0, 0.02)
+            elif norms and name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * norms)
     return model.eval()
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from laco_deploy import families
 from laco_deploy.compensate.masks import masked_merge
 from laco_deploy.compensate.train import autocast_ctx, amp_dtype, cosine_lr, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
@@ -30,8 +31,10 @@ def attach_lora(model, cfg: CompensateConfig, targets: tuple[str, ...], seed: in
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
+    family = families.of_config(model.config) or families.TABLE[0]
+    modules = sorted(set(targets) | set(family.module_names(targets)))  # fused linears (Phi-3) by their parts
     lcfg = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
-                      target_modules=list(targets))
+                      target_modules=modules)
     return get_peft_model(model, lcfg)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from laco_deploy import distributed
+from laco_deploy import distributed, families
 from laco_deploy.engine.walk import LayerContext
 
 SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, k]
@@ -35,10 +35,11 @@ SYSTEM_BYTES = 256 * 2**20  # memory for one chunk of per-row systems [rows, k, 
 SOLVE_DTYPE = torch.float32
 
 # Linears whose output is added to the residual stream, and where that stream comes from: the
-# layer's input (attention block) or the input of the named norm (MLP block). Their target also
-# absorbs the difference between the dense and the sparse residual stream, so the layer's output
-# (not only each linear's) moves towards the dense hidden states: LaCo's objective, in closed form.
-RESIDUAL_WRITERS = {"self_attn.o_proj": None, "mlp.down_proj": "post_attention_layernorm"}
+# layer's input (attention block) or the input of the named norm (MLP block); per family
+# (families.Family.residual_writers; Gemma normalises those outputs first, so it has none). Their
+# target also absorbs the difference between the dense and the sparse residual stream, so the
+# layer's output (not only each linear's) moves towards the dense hidden states: LaCo's objective,
+# in closed form.
 
 
 class _Enough(Exception):
@@ -90,17 +91,20 @@ def linear_groups(ctx: LayerContext, names: list[str]) -> list[list[str]]:
 
 def _residual_norms(layer: torch.nn.Module, group: list[str]) -> list[str]:
     """Norm modules whose input is the residual stream some linear of `group` writes to."""
-    return [RESIDUAL_WRITERS[n] for n in group if RESIDUAL_WRITERS.get(n) and hasattr(layer, RESIDUAL_WRITERS[n])]
+    writers = families.of_layer(layer).residual_writers
+    return [writers[n] for n in group if writers.get(n) and hasattr(layer, writers[n])]
 
 
-def _targets(group: list[str], yout: dict, res_s: dict, res_d: dict, h_s: torch.Tensor, h_d: torch.Tensor) -> dict:
+def _targets(layer: torch.nn.Module, group: list[str], yout: dict, res_s: dict, res_d: dict, h_s: torch.Tensor,
+             h_d: torch.Tensor) -> dict:
     """Each linear's target: the dense linear's output, plus the dense-minus-sparse residual stream
     for the linears that write to it. [b, s, out] each."""
+    writers = families.of_layer(layer).residual_writers
     out = {}
     for n in group:
         y = yout[n]
-        if n in RESIDUAL_WRITERS:
-            src = RESIDUAL_WRITERS[n]
+        if n in writers:
+            src = writers[n]
             y = y + ((h_d - h_s) if src is None else (res_d[src] - res_s[src]))
         out[n] = y
     return out
@@ -122,7 +126,7 @@ def _statistics(ctx: LayerContext, group: list[str], idx: torch.Tensor, token_we
         dense = _run_until(ctx, ctx.dense_layer, h_d, norms, group)
         res_s = {n: sparse["in:" + n] for n in norms}
         res_d = {n: dense["in:" + n] for n in norms}
-        yout = _targets(group, {n: dense[n] for n in group}, res_s, res_d, h_s, h_d)
+        yout = _targets(ctx.layer, group, {n: dense[n] for n in group}, res_s, res_d, h_s, h_d)
         x = sparse["in:" + group[0]].reshape(-1, sparse["in:" + group[0]].shape[-1]).float()  # [tokens, in]
         x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)], 1)
         # weight each token by 1 / ||dense layer output||^2, as the nmse loss does, so a few

@@ -26,15 +26,13 @@ from typing import Any, Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from laco_deploy import distributed
+from laco_deploy import distributed, families
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.corrections import Corrections
 from laco_deploy.compensate.masks import apply_masks, mask_grads
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine.cache import ActivationCache
-
-NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 
 
 @dataclass
@@ -101,7 +99,7 @@ def trainable_parameters(layer, masks: dict[str, torch.Tensor], train_norms: boo
         if lin.bias is not None:
             params.append(lin.bias)
     if train_norms:
-        params.extend(getattr(layer, n).weight for n in NORM_NAMES if hasattr(layer, n))
+        params.extend(layer.get_submodule(n).weight for n in families.of_layer(layer).norms)
     return params
 
 

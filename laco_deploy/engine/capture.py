@@ -16,6 +16,9 @@ from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.models import decoder_layers
 
 
+_DROPPED = ("past_key_values", "past_key_value", "use_cache", "hidden_states")  # per call, not per layer
+
+
 class _Captured(Exception):
     pass
 
@@ -23,7 +26,24 @@ class _Captured(Exception):
 @dataclass
 class LayerInputs:
     hidden: ActivationCache  # [samples, seq, hidden]
-    kwargs: dict[str, Any]  # passed to every decoder layer call (tensors on CPU)
+    kwargs: dict[str, Any]  # layer 0's call arguments (tensors on CPU); every layer's unless layer_kwargs
+    # per layer, where layers of different attention types get different arguments (Gemma: sliding-window
+    # vs full masks, and local vs global RoPE tables); layers of one type share one dict
+    layer_kwargs: list[dict[str, Any]] | None = None
+
+    def kwargs_at(self, i: int) -> dict[str, Any]:
+        return self.layer_kwargs[i] if self.layer_kwargs is not None else self.kwargs
+
+    def kwargs_per_layer(self, n_layers: int, device: torch.device) -> list[dict[str, Any]]:
+        """Each layer's call arguments on `device`; a dict shared by several layers is moved once."""
+        moved: dict[int, dict[str, Any]] = {}
+        out = []
+        for i in range(n_layers):
+            kw = self.kwargs_at(i)
+            if id(kw) not in moved:
+                moved[id(kw)] = kwargs_on(kw, device)
+            out.append(moved[id(kw)])
+        return out
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -68,9 +88,55 @@ def capture_layer_inputs(model, input_ids: torch.Tensor, device: torch.device, o
                 hidden, kw = c.args[0]
                 cache.store(i, hidden)
                 if not kept:
-                    kept = _to({k: v for k, v in kw.items() if k not in ("past_key_values", "past_key_value", "use_cache")}, torch.device("cpu"))
+                    kept = _to({k: v for k, v in kw.items() if k not in _DROPPED}, torch.device("cpu"))
     finally:
         handle.remove()
         for m in moved:
             m.to("cpu")
-    return LayerInputs(cache, kept)
+    return LayerInputs(cache, kept, _kwargs_by_layer_type(model, input_ids[:1].to(device), kept))
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for decoder layer i during one forward pass: keeps its call arguments, passes the
+    hidden states through unchanged, and stops the pass after the last layer."""
+
+    def __init__(self, index: int, sink: dict[int, dict[str, Any]], last: int):
+        super().__init__()
+        self.index, self.sink, self.last = index, sink, last
+
+    def forward(self, hidden, *args, **kwargs):
+        self.sink[self.index] = kwargs
+        if self.index == self.last:
+            raise _Captured(None)
+        return hidden
+
+
+
+@torch.no_grad()
+def _kwargs_by_layer_type(model, input_ids: torch.Tensor, first: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Per-layer call arguments when the config gives layers different attention types (None when all
+    layers are called alike). One forward pass with recording stand-ins for the layers (no layer runs);
+    layers of one type share one dict, layer 0's type keeps `first`."""
+    kinds = list(getattr(model.config, "layer_types", None) or [])
+    layers = decoder_layers(model)
+    if len(set(kinds)) <= 1 or len(kinds) != len(layers):
+        return None
+    inner = model.model
+    sink: dict[int, dict[str, Any]] = {}
+    inner.layers = torch.nn.ModuleList(_Recorder(i, sink, len(layers) - 1) for i in range(len(layers)))
+    moved = [m for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
+    for m in moved:
+        m.to(input_ids.device)
+    try:
+        inner(input_ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        inner.layers = layers
+        for m in moved:
+            m.to("cpu")
+    by_kind = {kinds[0]: first}
+    for i, kind in enumerate(kinds):
+        if kind not in by_kind:
+            by_kind[kind] = _to({k: v for k, v in sink[i].items() if k not in _DROPPED}, torch.device("cpu"))
+    return [by_kind[kind] for kind in kinds]

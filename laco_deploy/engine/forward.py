@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 import torch
 
+from laco_deploy import families
 from laco_deploy.engine.cache import ActivationCache
-from laco_deploy.engine.capture import capture_layer_inputs, kwargs_on
+from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.engine.lazy import LazyModel
 from laco_deploy.engine.walk import call_layer
 from laco_deploy.models import decoder_layers
@@ -33,9 +34,13 @@ class ModelStream:
     """One model walked forward over the evaluation windows."""
 
     model: Any  # transformers causal LM: a LazyModel skeleton (on `meta`) or a resident model
-    hidden: ActivationCache  # [windows, seq, hidden]: layer-0 inputs, then each layer's outputs, in place
-    kwargs: dict[str, Any]  # decoder layer call arguments (position embeddings, mask), on CPU
+    inputs: LayerInputs  # layer-0 hidden states (`hidden`) and each layer's call arguments, on CPU
     lazy: LazyModel | None = None  # None: every weight is resident
+
+    @property
+    def hidden(self) -> ActivationCache:
+        """[windows, seq, hidden]: layer-0 inputs, then each layer's outputs, in place."""
+        return self.inputs.hidden
 
     @property
     def num_layers(self) -> int:
@@ -59,10 +64,10 @@ def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *,
             inputs = capture_layer_inputs(lazy.model, input_ids, device, offload=offload, workdir=workdir)
         finally:
             lazy.release_rest(EMBED)
-        return ModelStream(lazy.model, inputs.hidden, inputs.kwargs, lazy)
+        return ModelStream(lazy.model, inputs, lazy)
     model = load_resident(path)
     inputs = capture_layer_inputs(model, input_ids, device, offload=offload, workdir=workdir)
-    return ModelStream(model, inputs.hidden, inputs.kwargs, None)
+    return ModelStream(model, inputs, None)
 
 
 @torch.no_grad()
@@ -86,13 +91,13 @@ def walk_side_by_side(streams: dict[str, ModelStream], *, device: torch.device, 
                       on_layer: Callable[[int, dict[str, ModelStream]], None] | None = None, desc: str | None = "") -> None:
     """Advance every stream through all its decoder layers, depth by depth; after depth i call
     `on_layer(i, streams)` (streams with fewer layers keep their last outputs). desc None: no bar."""
-    kwargs = {label: kwargs_on(s.kwargs, device) for label, s in streams.items()}
+    kwargs = {label: s.inputs.kwargs_per_layer(s.num_layers, device) for label, s in streams.items()}
     depth = max(s.num_layers for s in streams.values())
     depths = range(depth) if desc is None else progress_bar(range(depth), desc=desc or "layers", unit="layer")
     for i in depths:
         for label, stream in streams.items():
             if i < stream.num_layers:
-                _advance(stream, i, kwargs[label], device, batch_size)
+                _advance(stream, i, kwargs[label][i], device, batch_size)
         if on_layer is not None:
             on_layer(i, streams)
 
@@ -109,17 +114,21 @@ class Head:
         if stream.lazy is not None:
             stream.lazy.load_rest(HEAD)
         self.norm, self.lm_head = stream.model.model.norm.to(device), stream.model.lm_head.to(device)
+        self.softcap = families.logit_softcap(stream.model.config)  # Gemma 2: cap * tanh(logits / cap)
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [seq, hidden] -> logits [seq, vocab] float32 on CPU."""
-        return self.lm_head(self.norm(hidden.to(self.device))).float().cpu()
+        logits = self.lm_head(self.norm(hidden.to(self.device)))
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float().cpu()
 
     def same_weights(self, other: Head) -> bool:
         """Whether both heads hold identical tensors (then one can serve both models)."""
         mine = {**self.norm.state_dict(prefix="norm."), **self.lm_head.state_dict(prefix="head.")}
         theirs = {**other.norm.state_dict(prefix="norm."), **other.lm_head.state_dict(prefix="head.")}
-        return mine.keys() == theirs.keys() and all(
+        return self.softcap == other.softcap and mine.keys() == theirs.keys() and all(
             mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k]) for k in mine)
 
     def close(self) -> None:

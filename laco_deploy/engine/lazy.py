@@ -88,7 +88,9 @@ class LazyModel:
         if "lm_head" in wanted and not tied and "lm_head.weight" not in self._where:
             raise ModelError(f"{self.path}: lm_head.weight missing and embeddings are not tied; the checkpoint is incomplete")
         for name in wanted:
-            model.get_submodule(name).to_empty(device="cpu")
+            module = model.get_submodule(name)
+            module.to_empty(device="cpu")
+            _init_buffers(model, module)
         prefixes = tuple(f"{name}." for name in wanted)
         names = [n for n, _ in model.named_parameters() if n.startswith(prefixes) and n in self._where]
         model.load_state_dict(self._read(names), strict=False)
@@ -200,6 +202,15 @@ def skeleton(config) -> torch.nn.Module:
         for layer, width in zip(model.model.layers, structured.layer_widths(config)):
             structured.shrink_layer(layer, width, head_dim)
     return model.eval()
+
+
+def _init_buffers(model, module: torch.nn.Module) -> None:
+    """Fill the non-persistent buffers `to_empty` left uninitialised (they are not in the checkpoint),
+    e.g. Gemma's embedding scale sqrt(hidden), with the model's own initialiser; the parameters it
+    also initialises are overwritten from the checkpoint right after."""
+    for sub in module.modules():
+        if getattr(sub, "_non_persistent_buffers_set", None):
+            model._init_weights(sub)
 
 
 def _assign(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

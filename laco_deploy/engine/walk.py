@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from laco_deploy.engine.cache import ActivationCache
-from laco_deploy.engine.capture import LayerInputs, kwargs_on
+from laco_deploy.engine.capture import LayerInputs
 from laco_deploy.engine.checkpoint import LayerCheckpoints
 from laco_deploy.models import decoder_layers
 from laco_deploy.progress import interactive, progress_bar, set_status
@@ -119,7 +119,7 @@ def walk_layers(
     if checkpoints is not None:
         checkpoints.prepare()
     device = opts.device
-    kwargs = kwargs_on(sparse.inputs.kwargs, device)
+    kwargs = sparse.inputs.kwargs_per_layer(len(layers), device)
     sparse_in = sparse.inputs.hidden
     dense_in = None
     if dense is not None:
@@ -139,7 +139,7 @@ def walk_layers(
             dense.loader.load(i, dense_layers[i])
         layer = layers[i].to(device)
         dense_layer = dense_layers[i].to(device) if dense is not None else None
-        ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs, device, opts.batch_size, dense_layer, dense_in,
+        ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs[i], device, opts.batch_size, dense_layer, dense_in,
                            dense_out, progress=lambda s: set_status(bar, s))
         if dense_layer is not None:
             ctx.run(dense_layer, dense_in, dense_out)

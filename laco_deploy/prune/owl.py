@@ -71,7 +71,7 @@ def layer_ratios(model, inputs: LayerInputs, cfg: PruneConfig, *, device: torch.
         return _cached(cache_file, cfg, n_layers)
     probe = inputs.hidden.clone_empty()
     probe.copy_from(inputs.hidden)  # the walk overwrites its buffers; keep the embeddings for pruning
-    records = walk_layers(Lane(model, LayerInputs(probe, inputs.kwargs), loader), _outlier_step(cfg),
+    records = walk_layers(Lane(model, LayerInputs(probe, inputs.kwargs, inputs.layer_kwargs), loader), _outlier_step(cfg),
                           WalkOptions(device, batch_size, "owl outliers"))
     ratios = owl_ratios([r["outliers"] for r in records], cfg.sparsity, cfg.owl_lambda)
     log.info("OWL layer ratios: %s", [round(r, 4) for r in ratios])

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy import distributed
+from laco_deploy import distributed, families
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.config import (
     PRUNABLE_LINEARS,
@@ -132,6 +132,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
     t0 = time.perf_counter()
     with measure(device) as meas:
         src = _open_source(model_cfg, prune_cfg.offload, ckpt)
+        (families.of_config(src.model.config) or families.TABLE[0]).check_targets(prune_cfg.targets)
         if prune_cfg.structured is not None:
             structural.check_feasible(src.model.config, prune_cfg)
         ids = data_mod.calibration_samples(src.tokenizer, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)

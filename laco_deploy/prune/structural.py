@@ -1,6 +1,7 @@
 """Structured pruning: remove FFN channels and whole KV head groups physically from a decoder layer.
 
-An FFN channel j is row j of gate_proj and up_proj and column j of down_proj. A head group g is
+An FFN channel j is row j of gate_proj and up_proj and column j of down_proj (rows j and ffn + j of
+Phi-3's fused gate_up_proj, so both halves keep the same channels). A head group g is
 KV head g (rows of k_proj, v_proj) with the G = heads / kv_heads query heads that share it (rows of
 q_proj, columns of o_proj); removing whole groups keeps the GQA ratio, head_dim and RoPE intact.
 The smaller widths are recorded in config.json (laco_deploy.structured.write_widths): in transformers'
@@ -13,16 +14,19 @@ Importance (from the calibration inputs of the layer, on the sparse path):
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from laco_deploy import families
 from laco_deploy.config import PruneConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.prune import scoring
 from laco_deploy.prune.stats import InputStats, collect_input_stats
 from laco_deploy.prune.step import matrix_record
 
+log = logging.getLogger(__name__)
 FFN = ("gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -32,16 +36,25 @@ def removal_count(width: int, ratio: float) -> int:
     return int(width * ratio + 0.5)
 
 
-def _parts(cfg: PruneConfig) -> tuple[bool, bool]:
-    """(prune FFN channels, prune head groups) from the target linears."""
-    return any(t in cfg.targets for t in FFN), any(t in cfg.targets for t in ATTN)
+def _parts(cfg: PruneConfig, family: families.Family) -> tuple[bool, bool]:
+    """(prune FFN channels, prune head groups) from the target linears and what the family allows."""
+    return any(t in cfg.targets for t in FFN), family.structured_heads and any(t in cfg.targets for t in ATTN)
 
 
 def check_feasible(config, cfg: PruneConfig) -> None:
-    """Refuse a ratio that would remove every FFN channel or every head group of a layer."""
+    """Refuse a ratio that would remove every FFN channel or every head group of a layer, and head
+    groups where the family cannot lose them per layer (then only FFN channels go, said in the log)."""
     from laco_deploy.structured import layer_widths
 
-    ffn_on, attn_on = _parts(cfg)
+    family = families.of_config(config) or families.TABLE[0]
+    ffn_on, attn_on = _parts(cfg, family)
+    if not family.structured_heads and any(t in cfg.targets for t in ATTN):
+        why = (f"{family.label} splits its fused {family.attention[0]} by the model-wide head count, so head groups "
+               "cannot be removed per layer")
+        if not ffn_on:
+            raise ConfigError(f"--structured on attention only: {why}; target the MLP "
+                              f"({','.join(FFN)}) or prune attention unstructured")
+        log.warning("--structured: %s; removing FFN channels only", why)
     for i, w in enumerate(layer_widths(config)):
         if ffn_on and removal_count(w["intermediate_size"], cfg.structured) >= w["intermediate_size"]:
             raise ConfigError(f"--structured {cfg.structured} would remove all {w['intermediate_size']} FFN channels "
@@ -52,14 +65,22 @@ def check_feasible(config, cfg: PruneConfig) -> None:
                               f"use a ratio below {(kv - 0.5) / kv:.2f}, or --targets gate_proj,up_proj,down_proj for FFN only")
 
 
+def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up weights [ffn, hidden] each; views into Phi-3's fused gate_up_proj ([gate; up] rows)."""
+    if hasattr(mlp, "gate_up_proj"):
+        w = mlp.gate_up_proj.weight
+        return w[: w.shape[0] // 2], w[w.shape[0] // 2:]
+    return mlp.gate_proj.weight, mlp.up_proj.weight
+
+
 def ffn_importance(mlp, stats: dict[str, InputStats], metric: str) -> torch.Tensor:
-    """Importance of each intermediate channel. -> [ffn]"""
+    """Importance of each intermediate channel. stats by module short name. -> [ffn]"""
     down = mlp.down_proj.weight
     if metric == "fluctuation":
         return scoring.fluctuation_importance(down, stats["down_proj"].variance())
-    x_in = stats["gate_proj"].sq_sum
-    return (scoring.wanda_row_importance(mlp.gate_proj.weight, x_in)
-            + scoring.wanda_row_importance(mlp.up_proj.weight, x_in)
+    x_in = stats["gate_up_proj" if hasattr(mlp, "gate_up_proj") else "gate_proj"].sq_sum
+    gate, up = _gate_up(mlp)
+    return (scoring.wanda_row_importance(gate, x_in) + scoring.wanda_row_importance(up, x_in)
             + scoring.wanda_column_importance(down, stats["down_proj"].sq_sum))
 
 
@@ -94,9 +115,14 @@ def _slice_linear(lin: torch.nn.Linear, rows: torch.Tensor | None = None, cols: 
 
 
 def remove_ffn_channels(mlp, keep: torch.Tensor) -> None:
-    """Keep intermediate channels `keep` [k] (ascending): rows of gate/up, columns of down."""
-    mlp.gate_proj = _slice_linear(mlp.gate_proj, rows=keep)
-    mlp.up_proj = _slice_linear(mlp.up_proj, rows=keep)
+    """Keep intermediate channels `keep` [k] (ascending): rows of gate/up, columns of down. A fused
+    gate_up_proj keeps the same channels in both halves, so it stays [gate; up]."""
+    if hasattr(mlp, "gate_up_proj"):
+        half = mlp.gate_up_proj.out_features // 2
+        mlp.gate_up_proj = _slice_linear(mlp.gate_up_proj, rows=torch.cat([keep, keep + half]))
+    else:
+        mlp.gate_proj = _slice_linear(mlp.gate_proj, rows=keep)
+        mlp.up_proj = _slice_linear(mlp.up_proj, rows=keep)
     mlp.down_proj = _slice_linear(mlp.down_proj, cols=keep)
     if hasattr(mlp, "intermediate_size"):
         mlp.intermediate_size = int(keep.numel())
@@ -121,20 +147,23 @@ def remove_head_groups(attn, keep_groups: torch.Tensor, kv_heads: int) -> None:
 
 
 def layer_width(layer) -> dict[str, int]:
-    """Current widths of a decoder layer, read from its module shapes."""
+    """Current widths of a decoder layer, read from its module shapes (fused qkv: [q; k; v] rows)."""
     attn, head_dim = layer.self_attn, layer.self_attn.head_dim
-    return {"intermediate_size": layer.mlp.gate_proj.out_features,
-            "num_attention_heads": attn.q_proj.out_features // head_dim,
-            "num_key_value_heads": attn.k_proj.out_features // head_dim}
+    q_rows = attn.o_proj.in_features
+    kv_rows = attn.k_proj.out_features if hasattr(attn, "k_proj") else (attn.qkv_proj.out_features - q_rows) // 2
+    return {"intermediate_size": layer.mlp.down_proj.in_features,
+            "num_attention_heads": q_rows // head_dim, "num_key_value_heads": kv_rows // head_dim}
 
 
 def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
     """Shrink `ctx.layer` (engine LayerContext) by cfg.structured; return widths, kept indices, matrices."""
     t0 = time.perf_counter()
     layer = ctx.layer
-    ffn_on, attn_on = _parts(cfg)
+    family = families.of_layer(layer)
+    ffn_on, attn_on = _parts(cfg, family)
     before = layer_width(layer)
-    names = {f"mlp.{n}": getattr(layer.mlp, n) for n in FFN} | {f"self_attn.{n}": getattr(layer.self_attn, n) for n in ATTN}
+    names = ({f"mlp.{n}": getattr(layer.mlp, n) for n in family.ffn}
+             | {f"self_attn.{n}": getattr(layer.self_attn, n) for n in family.attention})
     ctx.progress("statistics")
     raw = collect_input_stats(ctx, names, hessian=False)
     stats = {k.rsplit(".", 1)[-1]: v for k, v in raw.items()}
@@ -155,7 +184,7 @@ def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
             rec["kept_head_groups"] = keep_g.tolist()
     rec["widths"] = layer_width(layer)
     rec["seconds"] = round(time.perf_counter() - t0, 3)
-    shrunk = ([f"mlp.{n}" for n in FFN] if ffn_on else []) + ([f"self_attn.{n}" for n in ATTN] if attn_on else [])
+    shrunk = ([f"mlp.{n}" for n in family.ffn] if ffn_on else []) + ([f"self_attn.{n}" for n in family.attention] if attn_on else [])
     rec["matrices"] = {f"model.layers.{ctx.index}.{n}": matrix_record(layer.get_submodule(n).weight.data) for n in shrunk}
     return rec
 

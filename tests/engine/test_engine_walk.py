@@ -181,3 +181,27 @@ def test_lazy_model_streams_one_layer_at_a_time(fixture, request, tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     for name, tensor in eager.state_dict().items():
         assert torch.equal(saved[name], tensor), name
+
+
+@pytest.mark.parametrize("fixture", ["tiny_gemma2_dir", "tiny_gemma3_dir"])
+def test_each_layer_type_gets_its_own_arguments(fixture, request):
+    """Gemma's sliding and full-attention layers take different masks (and, in Gemma 3, RoPE tables):
+    the walk, over windows longer than the sliding window, equals the model's own forward pass, and
+    the engine's logits (final norm, head, soft-capping) equal the model's."""
+    from laco_deploy.engine.forward import model_logits
+
+    src = request.getfixturevalue(fixture)
+    model = load_model(str(src)).model
+    kinds = model.config.layer_types
+    ids = _ids(2, seq=40)
+    inputs = capture_layer_inputs(model, ids, CPU)
+    assert [inputs.kwargs_at(i) is inputs.kwargs_at(kinds.index(k)) for i, k in enumerate(kinds)] == [True] * len(kinds)
+    assert inputs.kwargs_at(kinds.index("full_attention")) is not inputs.kwargs_at(kinds.index("sliding_attention"))
+    seen = []
+    walk_layers(Lane(model, inputs), None, OPTS, on_layer_done=lambda i, r, s, d: seen.append(s.data.clone()))
+    expected = _hidden_states(model, ids)
+    for got, want in zip(seen[:-1], expected[:-1]):
+        assert torch.allclose(got, want, atol=1e-5)
+    with torch.no_grad():
+        ref = model(ids[:1]).logits[0]
+    assert (model_logits(src, ids[0], CPU) - ref).abs().max().item() <= 1e-4

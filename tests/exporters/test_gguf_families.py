@@ -81,3 +81,87 @@ def test_per_layer_widths_refused_where_llama_cpp_has_no_graph(tiny_qwen3_dir, t
     with pytest.raises(ExportError, match="Qwen3ForCausalLM with widths that differ between layers"):
         _export(src, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+GEMMA_BLOCK = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_norm", "ffn_gate",
+               "ffn_up", "ffn_down", "post_ffw_norm")
+
+
+@pytest.mark.parametrize("fixture,arch,layers,qk_norms", [("tiny_gemma2_dir", gguf.MODEL_ARCH.GEMMA2, 2, False),
+                                                          ("tiny_gemma3_dir", gguf.MODEL_ARCH.GEMMA3, 6, True)])
+def test_gemma_norms_shifted_soft_capping_and_window(fixture, arch, layers, qk_norms, request, tmp_path):
+    src = request.getfixturevalue(fixture)
+    res = _export(src, tmp_path / "g.f32.gguf")
+    reader, tensors = _read(res.path)
+    hf = _hf(src)
+    name = gguf.MODEL_ARCH_NAMES[arch]
+    get = lambda k: reader.get_field(k).contents() if reader.get_field(k) is not None else None  # noqa: E731
+    assert get("general.architecture") == name
+    block = GEMMA_BLOCK + (("attn_q_norm", "attn_k_norm") if qk_norms else ())
+    expected = {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{n}.weight" for i in range(layers) for n in block}
+    assert set(tensors) == expected and expected <= _allowed_names(arch, layers)  # tied: no output.weight
+    pairs = {"blk.0.attn_norm": "model.layers.0.input_layernorm", "blk.0.post_attention_norm":
+             "model.layers.0.post_attention_layernorm", "blk.1.ffn_norm": "model.layers.1.pre_feedforward_layernorm",
+             "blk.1.post_ffw_norm": "model.layers.1.post_feedforward_layernorm", "output_norm": "model.norm"}
+    if qk_norms:
+        pairs["blk.0.attn_k_norm"] = "model.layers.0.self_attn.k_norm"
+    for ours, theirs in pairs.items():  # Gemma's RMSNorm scales by (1 + w): the converter writes w + 1
+        t = tensors[ours + ".weight"]
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32
+        assert np.array_equal(np.asarray(t.data), hf[theirs + ".weight"].numpy() + 1)
+    emb = hf["model.embed_tokens.weight"]  # unscaled: llama.cpp multiplies by sqrt(hidden) itself
+    assert np.array_equal(np.asarray(tensors["token_embd.weight"].data), emb.numpy())
+    q = hf["model.layers.0.self_attn.q_proj.weight"]  # NEOX RoPE: rows as in HF
+    assert np.array_equal(np.asarray(tensors["blk.0.attn_q.weight"].data), q.numpy())
+    assert get(f"{name}.attention.sliding_window") == 16
+    assert get(f"{name}.attention.key_length") == 16 and get(f"{name}.attention.head_count_kv") == 2
+    if arch == gguf.MODEL_ARCH.GEMMA2:
+        assert get("gemma2.attn_logit_softcapping") == pytest.approx(50.0)
+        assert get("gemma2.final_logit_softcapping") == pytest.approx(30.0)
+    else:
+        assert get("gemma3.rope.freq_base") == pytest.approx(1e6)  # the full-attention layers' base
+        assert get("gemma3.final_logit_softcapping") is None and get("gemma3.attn_logit_softcapping") is None
+    assert res.checks["parity_top1"] >= 0.99 and res.checks["parity_mean_kl"] <= 1e-5  # llama.cpp runs it as HF does
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"tie_word_embeddings": False}, "untied LM head"),
+    ({"query_pre_attn_scalar": 24}, "query_pre_attn_scalar 24 differs from head_dim 16"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "differ from llama.cpp's fixed"),
+])
+def test_gemma_settings_llama_cpp_fixes_otherwise_are_refused(tiny_gemma2_dir, tmp_path, change, message):
+    import json
+    import shutil
+
+    from laco_deploy.errors import ExportError
+
+    src = tmp_path / "g2"
+    shutil.copytree(tiny_gemma2_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(change)
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=message):
+        _export(src, tmp_path / "x.gguf")
+
+
+def test_phi3_fused_matrices_written_as_llama_cpp_expects(tiny_phi3_dir, tmp_path):
+    """qkv_proj -> attn_qkv ([q; k; v] rows) and gate_up_proj -> ffn_up ([gate; up] rows, split by
+    llama.cpp), both unchanged (NEOX RoPE); untied head -> output; Phi-3's context keys."""
+    res = _export(tiny_phi3_dir, tmp_path / "p3.q8_0.gguf", "q8_0")
+    reader, tensors = _read(res.path)
+    hf = _hf(tiny_phi3_dir)
+    get = lambda k: reader.get_field(k).contents()  # noqa: E731
+    assert get("general.architecture") == "phi3"
+    per_block = ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
+    expected = {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in per_block}
+    assert set(tensors) == expected and expected <= _allowed_names(gguf.MODEL_ARCH.PHI3, 2)
+    for ours, theirs, shape in (("blk.0.attn_qkv", "model.layers.0.self_attn.qkv_proj", [64, 128]),
+                                ("blk.1.ffn_up", "model.layers.1.mlp.gate_up_proj", [64, 256])):
+        t = tensors[ours + ".weight"]
+        assert list(t.shape) == shape and t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+        want = gguf.quants.quantize(hf[theirs + ".weight"].numpy(), gguf.GGMLQuantizationType.Q8_0)
+        assert np.array_equal(np.asarray(t.data), want)
+    assert get("phi3.rope.scaling.original_context_length") == 512 and get("phi3.attention.sliding_window") == 0
+    assert get("phi3.feed_forward_length") == 128 and get("phi3.rope.dimension_count") == 16
+    assert res.checks["parity_top1"] >= 0.9 and res.checks["parity_mean_kl"] <= 1e-3  # q8_0 on near-flat random logits
