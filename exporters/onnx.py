@@ -11,6 +11,7 @@ The output folder is laid out like optimum's ONNX exports, so `ORTModelForCausal
     model.onnx_data          the weights (external data, always: see _save)
     model.sparse.safetensors (with sparse storage) compact weights; see exporters.onnx_sparse
     config.json, generation_config.json, tokenizer files
+    genai_config.json        for onnxruntime-genai, where the model shape allows (exporters.onnx_genai)
 
 optimum-onnx requires transformers < 5, so the graph comes from torch.onnx (exporters.onnx_graph)
 with optimum's names; laco_deploy.bench.onnxrt.OrtDecoder is the matching generate loop.
@@ -30,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from exporters.onnx_genai import write_genai_config
 from laco_deploy import families
 from laco_deploy.artifacts import ExportResult
 from laco_deploy.errors import ExportError, LacoError
@@ -66,6 +68,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
             checks["storage"] = _store_sparse(proto, tmp, dense_bytes, notes)
         del proto
         _copy_side_files(model_dir, tmp, tokenizer)
+        notes += write_genai_config(tmp, sparse_storage=sparse_storage)
         if check is not None:
             log.info("checking the export against PyTorch in onnxruntime")
             checks.update(check(model, tokenizer, tmp))

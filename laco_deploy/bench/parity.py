@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exporters.onnx_genai import GENAI_FILE
 from laco_deploy.fidelity.metrics import token_kl
 
 PARITY_TOKENS = 128  # GGUF: tokens of evaluation text compared right after export (a fixed check, not a setting)
@@ -78,7 +79,14 @@ def onnx_parity(model, tokenizer, folder: Path) -> dict:
         greedy = greedy_match(model, decoder, stream[:GREEDY_PROMPT], GREEDY_NEW)
     finally:
         del decoder
-    return {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}
+    out = {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}
+    if (folder / GENAI_FILE).is_file():  # the folder also claims to run in onnxruntime-genai: prove it
+        from laco_deploy.bench.genai import genai_match
+        from laco_deploy.data import load_texts
+
+        text = load_texts("builtin", "eval")[0][:2000]
+        out["genai"] = genai_match(model, tokenizer, folder, stream[:GREEDY_PROMPT], GREEDY_NEW, text)
+    return out
 
 
 def logit_parity(model, decoder, tokens: torch.Tensor, prefill: int) -> dict:

@@ -90,3 +90,5 @@ def test_sizes_and_dense_note(structured_export):
     # no zeros in a structured model: sparse storage keeps it dense and says so
     assert result.checks["storage"]["tensors_compressed"] == 0
     assert any("stored dense" in n for n in result.notes)
+    assert not (out / "genai_config.json").is_file() and "genai" not in result.checks  # genai reads no sparse storage
+    assert any("no genai_config.json: sparse storage" in n for n in result.notes)
