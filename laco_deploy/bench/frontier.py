@@ -34,6 +34,7 @@ class Spec:
     prune: PruneConfig | None = None  # set for pruned models
     base: str | None = None  # set for compensated models
     quant_aware: str | None = None  # QA-LaCo type; the model is then measured at that type only
+    measured: bool = True  # False: built only as the base of compensated models (--variants without pruned)
 
     @property
     def family(self) -> str:
@@ -63,7 +64,7 @@ def plan_models(ratios: list[float], target_sets: list[str], variants: list[str]
                 for r in ratios for t in target_sets] + [(u, UNSTRUCTURED[u]) for u in unstructured]
     specs = [Spec(DENSE)]
     for family, prune in families:
-        specs.append(Spec(family, prune=prune))
+        specs.append(Spec(family, prune=prune, measured="pruned" in variants))
         if "laco" in variants:
             specs.append(Spec(f"{family}+laco", base=family))
         if "qa" in variants:
@@ -79,7 +80,9 @@ def plan_cells(specs: list[Spec], quants: list[str], dense_quants: list[str]) ->
     cells = []
     for quant in dict.fromkeys(quants + dense_quants):
         for spec in specs:
-            if spec.quant_aware is not None:
+            if not spec.measured:
+                keep = False
+            elif spec.quant_aware is not None:
                 keep = spec.quant_aware == quant
             else:
                 keep = quant in quants or spec.label == DENSE

@@ -22,6 +22,9 @@ def test_plan_orders_families_and_restricts_qa_to_its_type():
     assert ("s30-all+qa-q4_k_m", "q4_k_m") in cells and ("s30-all+qa-q4_k_m", "f16") not in cells
     assert [m for m, q in cells if q == "q6_k"] == ["dense"]
     assert cells[0] == ("dense", "f16")
+    specs = F.plan_models([0.5], ["all"], ["laco"], [], [])  # the pruned model is built as a base, not measured
+    assert [s.label for s in specs] == ["dense", "s50-all", "s50-all+laco"]
+    assert F.plan_cells(specs, ["f16"], []) == [("dense", "f16"), ("s50-all+laco", "f16")]
 
 
 def test_plan_rejects_unknown_names():
