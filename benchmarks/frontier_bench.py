@@ -69,6 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=DataConfig.samples, help="pruning calibration samples")
     p.add_argument("--comp-samples", type=int, help="LaCo calibration samples (default: the compensate stage's CPU budget)")
     p.add_argument("--epochs", type=int, default=CompensateConfig.epochs, help="LaCo epochs")
+    p.add_argument("--skip", action="append", default=[], metavar="LABEL@TYPE", help="leave a cell of the grid out (repeatable)")
     p.add_argument("--reuse", action="append", default=[], metavar="LABEL=DIR|LABEL@TYPE=FILE",
                    help="an existing model folder or export for a row (repeatable)")
     args = p.parse_args(argv)
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = F.plan_models([float(r) for r in _split(args.ratios)], _split(args.targets_sets), _split(args.variants),
                           _split(args.unstructured), _split(args.qa_quants))
     cells_plan = F.plan_cells(specs, _split(args.quants), _split(args.dense_quants))
+    unknown = set(args.skip) - {f"{m}@{q}" for m, q in cells_plan}
+    if unknown:
+        raise SystemExit(f"--skip {', '.join(sorted(unknown))}: not a cell of this grid (LABEL@TYPE, e.g. wanda50@q8_0)")
+    cells_plan = [(m, q) for m, q in cells_plan if f"{m}@{q}" not in args.skip]
     log.info("%d models, %d cells: %s", len(specs), len(cells_plan), ", ".join(f"{m}@{q}" for m, q in cells_plan))
     args.work.mkdir(parents=True, exist_ok=True)
     dense = ensure_default_converted()
