@@ -53,6 +53,9 @@ def test_equal_size_goal_compares_with_the_smallest_dense_not_smaller():
              _cell("s30-all+laco", "q8_0", 105, 23, 120), _cell("s30-all+laco", "fp32", 105, 1, 120, runtime="onnxruntime")]
     (goal,) = F.equal_size_goal(cells)
     assert "dense q6_k" in goal["goal"] and goal["hit"] is False and goal["value"] == pytest.approx(23 / 22)
+    same_type = [_cell("dense", "q8_0", 138.10, 19, 100), _cell("wanda50+laco", "q8_0", 138.12, 28, 100)]
+    (goal,) = F.equal_size_goal(same_type)  # a few metadata bytes more still count as the same size
+    assert "dense q8_0" in goal["goal"]
 
 
 def test_qa_goal_pairs_with_laco_at_the_same_type():
