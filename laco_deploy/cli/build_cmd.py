@@ -16,6 +16,7 @@ from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
 from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.errors import GateFailed
 from laco_deploy.fsutil import check_writable
+from laco_deploy.presets import help_text as preset_help
 from laco_deploy.targets import quant_help, target_help
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ def build_command(
     quant: Annotated[Optional[str], Opt("--quant", help=f"Export type. {quant_help()}.", show_default=False)] = None,
     device: DeviceOpt = None,
     out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
+    preset: Annotated[Optional[str], Opt("--preset", "-p", help=f"Settings chosen by goal, measured on the default model (benchmarks/RESULTS.md, speed/quality frontier); --config and flags override them. {preset_help()}.", show_default=False)] = None,
     config: Annotated[Optional[Path], Opt("--config", "-c", help="YAML file with any of these settings by section (model, data, prune, compensate, fidelity, export, bench); flags override it.", show_default=False)] = None,
     resume: ResumeOpt = False,
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
@@ -60,6 +62,7 @@ def build_command(
     from laco_deploy.buildconfig import merge, read_config_file
     from laco_deploy.fidelity.tasks import parse_task_list
     from laco_deploy.pipeline import build, check_inputs
+    from laco_deploy.presets import layer, preset_values
     from laco_deploy.summary import summary_lines
 
     overrides = {
@@ -71,12 +74,15 @@ def build_command(
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
         "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,
     }
-    cfg = merge(read_config_file(config) if config else {}, overrides)
+    file_values = read_config_file(config) if config else {}
+    if preset is not None:  # under the file and the flags, like a config file of its own
+        file_values = layer(preset_values(preset), file_values, {k for k, v in overrides.items() if v is not None})
+    cfg = merge(file_values, overrides)
     check_writable(Path(cfg.out), into=True)
     check_inputs(cfg)  # before the build folder and its log exist: a bad input leaves nothing behind
     with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
         log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))
-        output.say(f"building into {cfg.out} (target {cfg.export.target} {cfg.export.resolved_quant}, "
+        output.say(f"building into {cfg.out} ({'preset ' + preset + ', ' if preset else ''}target {cfg.export.target} {cfg.export.resolved_quant}, "
                    f"{cfg.prune.method} {cfg.prune.pattern or cfg.prune.structured or cfg.prune.sparsity}, "
                    f"recover {cfg.compensate.method}; full log in {log_path})")
         status_words = {"running": "[cyan]running[/]", "reused": "[green]reused (inputs and settings unchanged)[/]", "done": "[green]done[/]"}
