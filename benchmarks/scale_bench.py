@@ -95,8 +95,9 @@ def stage_commands(dense: Path, work: Path, threads: int) -> dict[str, list[str]
     }
 
 
-def bench_size(size: str, work: Path, threads: int) -> dict:
-    """Build the model, run every stage measured; -> one row per stage plus the model's sizes."""
+def bench_size(size: str, work: Path, threads: int, save) -> dict:
+    """Build the model, run every stage measured; -> one row per stage plus the model's sizes.
+    `save(row)` is called after each stage, so an interrupted run keeps what it measured."""
     work.mkdir(parents=True, exist_ok=True)
     dense = work / "dense"
     t0 = time.perf_counter()
@@ -104,7 +105,10 @@ def bench_size(size: str, work: Path, threads: int) -> dict:
     log.info("%s: model built in %.0f s", size, time.perf_counter() - t0)
     sizes = model_bytes(dense)
     estimates = {e.stage: e for e in estimate_build(sizes, JOB)}
-    rows = {}
+    rows: dict[str, dict] = {}
+    row = {"params": sizes["total"] // 4, "model_fp32_mib": round(sizes["total"] / MIB, 1),
+           "layer_fp32_mib": round(sizes["layer_max"] / MIB, 1), "num_layers": sizes["num_layers"],
+           "config": SIZES[size], "stages": rows}
     for stage, cmd in stage_commands(dense, work, threads).items():
         m = run_measured(cmd, work / f"{stage}.log")
         est = estimates[stage]
@@ -114,11 +118,10 @@ def bench_size(size: str, work: Path, threads: int) -> dict:
                   "peak_per_layer": round(m["peak_rss_mib"] * MIB / sizes["layer_max"], 2),
                   "peak_per_model": round(m["peak_rss_mib"] * MIB / sizes["total"], 3)})
         rows[stage] = m
+        save(row)
         log.info("%s %-10s %7.1f s  peak %7.0f MiB  (estimate %7.0f MiB, %+.0f%%)", size, stage, m["wall_s"],
                  m["peak_rss_mib"], m["estimate_mib"], 100 * m["estimate_error"])
-    return {"params": sizes["total"] // 4, "model_fp32_mib": round(sizes["total"] / MIB, 1),
-            "layer_fp32_mib": round(sizes["layer_max"] / MIB, 1), "num_layers": sizes["num_layers"],
-            "config": SIZES[size], "stages": rows}
+    return row
 
 
 def table(results: dict) -> str:
@@ -154,16 +157,26 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SIZES)}")
     t0 = time.perf_counter()
-    results = {}
+    results: dict[str, dict] = {}
+
+    def save(size: str, row: dict | None = None) -> dict:
+        if row is not None:
+            results[size] = row
+        doc = {"results": results, "complete": False, "workload": JOB.__dict__, "threads": args.threads,
+               "total_s": round(time.perf_counter() - t0),
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_now": os.getloadavg()},
+               "protocol": {"peak": "ru_maxrss of the stage's own process (Python, torch, libraries included)",
+                            "stages": "each stage a fresh laco-deploy process (the CLI), --offload disk",
+                            "model": "random-init Llama from a config, fp32 safetensors, SmolLM2 tokenizer (vocab 49152)"}}
+        write_json(args.out, doc)
+        return doc
+
     for size in sizes:
-        results[size] = bench_size(size, args.work / size, args.threads)
+        bench_size(size, args.work / size, args.threads, lambda row, size=size: save(size, row))
         if not args.keep:
             shutil.rmtree(args.work / size, ignore_errors=True)
-    doc = {"results": results, "workload": JOB.__dict__, "threads": args.threads, "total_s": round(time.perf_counter() - t0),
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
-           "protocol": {"peak": "ru_maxrss of the stage's own process (Python, torch, libraries included)",
-                        "stages": "each stage a fresh laco-deploy process (the CLI), --offload disk",
-                        "model": "random-init Llama from a config, fp32 safetensors, SmolLM2 tokenizer (vocab 49152)"}}
+    doc = save(sizes[-1])
+    doc["complete"] = True
     write_json(args.out, doc)
     print(table(results))
     print(f"\ntotal {doc['total_s']} s; JSON in {args.out}")
