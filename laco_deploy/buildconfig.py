@@ -91,10 +91,12 @@ def merge(file_values: dict[str, Any], overrides: dict[str, Any]) -> BuildConfig
 
 def _quant_aware_default(cfg: BuildConfig, given: bool) -> BuildConfig:
     """LaCo trains through the exported weights when the target registry says that helps for this
-    export type (targets.Target.quant_aware_defaults), unless compensate.quant_aware was given."""
+    export type (targets.Target.quant_aware_defaults), unless compensate.quant_aware was given.
+    Measured on unstructured pruning only: on structured 30% it raised the Q4_K_M perplexity
+    (47.8 -> 52.6, benchmarks/RESULTS.md frontier), so structured builds keep it off."""
     comp = cfg.compensate
     qa = TARGETS[cfg.export.target].quant_aware_default(cfg.export.resolved_quant)
-    if given or qa is None or comp.method != "laco" or comp.trainable != "weights":
+    if given or qa is None or comp.method != "laco" or comp.trainable != "weights" or cfg.prune.structured:
         return cfg
     log.info("quantization-aware LaCo on (--quant-aware %s, the default for %s %s builds: measured to lower the "
              "runtime perplexity); compensate.quant_aware: null turns it off", qa, cfg.export.target,

@@ -54,3 +54,5 @@ def test_quant_aware_laco_is_the_default_where_the_target_says_so(tmp_path, capl
     assert merge({"compensate": {"quant_aware": None}}, {"export.quant": "q4_k_m"}).compensate.quant_aware is None
     assert merge({"compensate": {"quant_aware": "q6_k"}}, {"export.quant": "q4_k_m"}).compensate.quant_aware == "q6_k"
     assert merge({}, {"export.quant": "q4_k_m", "compensate.method": "none"}).compensate.quant_aware is None
+    # structured: measured to hurt at Q4_K_M, so not a default there
+    assert merge({}, {"export.quant": "q4_k_m", "prune.structured": 0.3}).compensate.quant_aware is None
