@@ -200,7 +200,7 @@ def _llama_quantize(src: Path, dst: Path, spec: QuantSpec) -> None:
     with _quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise ExportError(f"llama.cpp's quantizer failed ({rc}) making {spec.llama_ftype} from {src}; try --quant q8_0")
+        raise ExportError(f"llama.cpp's quantizer failed ({rc}) making {spec.llama_ftype} from {src}; try export.quant q8_0")
 
 
 @contextlib.contextmanager

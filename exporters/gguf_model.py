@@ -8,6 +8,7 @@ name, in float32, with the Q/K row reordering llama.cpp's normal RoPE needs.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -118,9 +119,23 @@ def _check_family(hf_arch: str, config: dict[str, Any], n_layers: int, head_dim:
                           f"{hf_arch} graph scales queries by 1/sqrt(head_dim); cannot export to GGUF")
 
 
-def _rope(config: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings whether transformers wrote `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x).
-    Per-layer-type parameters (Gemma 3) give those of the full-attention layers (llama.cpp's freq_base)."""
+@functools.lru_cache(maxsize=None)
+def _class_defaults(model_type: str) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.for_model(model_type).to_dict()
+    except (KeyError, ValueError) as e:
+        raise ExportError(f"config.json model_type {model_type!r} is unknown to transformers; re-save the model with transformers") from e
+
+
+def hf_setting(config: dict[str, Any], key: str) -> Any:
+    """`key` of config.json, else the default of the model's transformers config class: `save_pretrained`
+    leaves out the values that equal it, and the defaults differ by family (rms_norm_eps: Phi-3 1e-5, Llama 1e-6)."""
+    return config[key] if key in config else _class_defaults(str(config.get("model_type"))).get(key)
+
+
+def _rope_fields(config: dict[str, Any]) -> dict[str, Any]:
     params = dict(config.get("rope_parameters") or {})
     if isinstance(params.get("full_attention"), dict):
         params = dict(params["full_attention"])
@@ -132,24 +147,33 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings whether transformers wrote `rope_parameters` (5.x) or `rope_theta`/`rope_scaling` (4.x).
+    Per-layer-type parameters (Gemma 3) give those of the full-attention layers (llama.cpp's freq_base);
+    a missing `rope_theta` is the config class's default."""
+    params = _rope_fields(config)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = _rope_fields(_class_defaults(str(config.get("model_type")))).get("rope_theta")
+    return params
+
+
 def write_hparams(writer: gguf.GGUFWriter, plan: ModelPlan, config: dict[str, Any]) -> None:
     """The `{arch}.*` hyper-parameters llama.cpp reads for this architecture."""
     w0 = plan.widths[0]
     col = (lambda k: [w[k] for w in plan.widths]) if plan.per_layer else (lambda k: w0[k])
     writer.add_block_count(plan.n_layers)
-    writer.add_context_length(int(config.get("max_position_embeddings") or 2048))
+    writer.add_context_length(int(hf_setting(config, "max_position_embeddings")))
     writer.add_embedding_length(plan.hidden)
     writer.add_feed_forward_length(col("intermediate_size"))
     writer.add_head_count(col("num_attention_heads"))
     writer.add_head_count_kv(col("num_key_value_heads"))
-    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_layer_norm_rms_eps(float(hf_setting(config, "rms_norm_eps")))
     writer.add_key_length(plan.head_dim)
     writer.add_value_length(plan.head_dim)
     rope = _rope(config)
     writer.add_rope_dimension_count(int(plan.head_dim * float(rope.get("partial_rotary_factor") or 1.0)))
     writer.add_vocab_size(plan.n_vocab)
-    if rope.get("rope_theta") is not None:
-        writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     kind = (rope.get("rope_type") or "default").lower()
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -161,7 +185,7 @@ def write_hparams(writer: gguf.GGUFWriter, plan: ModelPlan, config: dict[str, An
     elif kind not in ("default", "llama3"):  # llama3 is a rope_freqs tensor, see extra_tensors
         raise ExportError(f"RoPE type {kind!r} is not supported for GGUF export; supported: default, linear, yarn, llama3")
     for key, config_key, kind, default in plan.spec.extra_keys:
-        value = config.get(config_key)
+        value = hf_setting(config, config_key)
         value = default if value is None else value
         if value is not None:
             name = key.format(arch=plan.arch_name)
@@ -173,7 +197,7 @@ def extra_tensors(plan: ModelPlan, config: dict[str, Any]) -> Iterator[tuple[str
     rope = _rope(config)
     if (rope.get("rope_type") or "").lower() == "llama3":
         yield gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", llama3_rope_factors(
-            plan.head_dim, float(rope.get("rope_theta", 10000.0)), float(rope.get("factor", 8.0)),
+            plan.head_dim, float(rope["rope_theta"]), float(rope.get("factor", 8.0)),
             float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0)),
             int(rope.get("original_max_position_embeddings", 8192)))
 

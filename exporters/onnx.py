@@ -90,7 +90,7 @@ def model_bytes(folder: Path) -> int:
 
 def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
     if quant not in ONNX.quant_types:
-        raise ExportError(f"ONNX type {quant!r} is not supported; choose one of {', '.join(ONNX.quant_types)} (--quant)")
+        raise ExportError(f"ONNX type {quant!r} is not supported; choose one of {', '.join(ONNX.quant_types)} (export.quant)")
     cfg_file = model_dir / "config.json"
     if not cfg_file.is_file():
         raise ExportError(f"{model_dir} is not a Hugging Face model directory (no config.json); pass a folder written by prune/compensate, or 'default'")
@@ -103,9 +103,9 @@ def _check_request(model_dir: Path, out_dir: Path, quant: str) -> None:
         raise ExportError(f"cannot export architecture {', '.join(map(str, archs))} to ONNX; supported: "
                           f"{', '.join(families.ARCHITECTURES)}: pass a model of one of these families")
     if out_dir.is_file():
-        raise ExportError(f"--out {out_dir} is a file; the ONNX export writes a folder: pass a folder path")
+        raise ExportError(f"{out_dir} is a file; the ONNX export writes a folder: pass a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MODEL_FILE).is_file():
-        raise ExportError(f"--out {out_dir} is a non-empty folder that is not an ONNX export; refusing to replace it: choose another --out")
+        raise ExportError(f"{out_dir} is a non-empty folder that is not an ONNX export; refusing to replace it: choose another output folder")
 
 
 def _load(model_dir: Path):

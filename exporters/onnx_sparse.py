@@ -65,7 +65,7 @@ def unpack(values: np.ndarray, mask: np.ndarray, shape: tuple[int, ...], fill=0)
     n = int(np.prod(shape, dtype=np.int64))
     keep = np.unpackbits(mask, count=n).astype(bool)
     if int(keep.sum()) != values.size:
-        raise RuntimeBackendError(f"sparse container is corrupt: mask has {int(keep.sum())} set bits for {values.size} values; re-export with --sparse-storage")
+        raise RuntimeBackendError(f"sparse container is corrupt: mask has {int(keep.sum())} set bits for {values.size} values; re-export with export.sparse_storage")
     dense = np.full(n, fill, dtype=values.dtype)
     dense[keep] = values
     return dense.reshape(shape)
@@ -123,11 +123,11 @@ def _read_container(folder: Path) -> tuple[dict[str, np.ndarray], dict[str, dict
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:
-                raise RuntimeBackendError(f"{path} has format {meta.get('format')!r}, expected {FORMAT}; re-export with --sparse-storage")
+                raise RuntimeBackendError(f"{path} has format {meta.get('format')!r}, expected {FORMAT}; re-export with export.sparse_storage")
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
         return tensors, json.loads(meta["tensors"])
     except (OSError, KeyError, ValueError) as e:
-        raise RuntimeBackendError(f"cannot read the sparse container {path}: {e}; re-export with --sparse-storage") from e
+        raise RuntimeBackendError(f"cannot read the sparse container {path}: {e}; re-export with export.sparse_storage") from e
 
 
 def needs_densify(folder: Path) -> bool:
@@ -143,7 +143,7 @@ def external_initializers(folder: Path) -> dict[str, np.ndarray]:
     for name, info in index.items():
         arr = unpack(tensors[f"{name}/values"], tensors[f"{name}/mask"], tuple(info["shape"]), info.get("fill", 0))
         if str(arr.dtype) != info["dtype"]:
-            raise RuntimeBackendError(f"sparse container: {name} holds {arr.dtype}, index says {info['dtype']}; re-export with --sparse-storage")
+            raise RuntimeBackendError(f"sparse container: {name} holds {arr.dtype}, index says {info['dtype']}; re-export with export.sparse_storage")
         out[name] = arr
     return out
 
@@ -153,7 +153,7 @@ def densify(folder: Path) -> Path:
     folder (e.g. optimum's ORTModelForCausalLM). Returns the written file."""
     folder = Path(folder)
     if not (folder / SPARSE_FILE).is_file():
-        raise ExportError(f"{folder} has no {SPARSE_FILE}; densify applies only to exports written with --sparse-storage")
+        raise ExportError(f"{folder} has no {SPARSE_FILE}; densify applies only to exports written with export.sparse_storage")
     _, index = _read_container(folder)
     arrays = external_initializers(folder)
     target = folder / DENSE_FILE

@@ -98,7 +98,7 @@ def _quant_aware_default(cfg: BuildConfig, given: bool) -> BuildConfig:
     qa = TARGETS[cfg.export.target].quant_aware_default(cfg.export.resolved_quant)
     if given or qa is None or comp.method != "laco" or comp.trainable != "weights" or cfg.prune.structured:
         return cfg
-    log.info("quantization-aware LaCo on (--quant-aware %s, the default for %s %s builds: measured to lower the "
+    log.info("quantization-aware LaCo on (compensate.quant_aware %s, the default for %s %s builds: measured to lower the "
              "runtime perplexity); compensate.quant_aware: null turns it off", qa, cfg.export.target,
              cfg.export.resolved_quant)
     return dataclasses.replace(cfg, compensate=dataclasses.replace(comp, quant_aware=qa))

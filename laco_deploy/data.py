@@ -185,7 +185,7 @@ def calibration_samples(tokenizer, spec: str, samples: int, seqlen: int, seed: i
     """`samples` random windows of `seqlen` tokens. [samples, seqlen] int64; same seed, same windows."""
     stream = _token_stream(tokenizer, load_texts(spec, "calib"))
     if stream.numel() < seqlen:
-        raise DataError(f"calibration text {spec} has {stream.numel()} tokens, fewer than one sample of --seqlen {seqlen}; add text or lower --seqlen")
+        raise DataError(f"calibration text {spec} has {stream.numel()} tokens, fewer than one sample of data.seqlen {seqlen}; add text or lower data.seqlen")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seqlen + 1, (samples,), generator=gen)
     return torch.stack([stream[s : s + seqlen] for s in starts.tolist()])
@@ -200,7 +200,7 @@ def evaluation_windows(tokenizer, spec: str, windows: int, seqlen: int) -> torch
     stream = _token_stream(tokenizer, load_texts(spec, "eval"))
     n = min(windows, stream.numel() // seqlen)
     if n < 1:
-        raise DataError(f"evaluation text {spec} has {stream.numel()} tokens, fewer than one window of {seqlen}; add text or lower --seqlen")
+        raise DataError(f"evaluation text {spec} has {stream.numel()} tokens, fewer than one window of {seqlen}; add text or lower data.seqlen")
     if n < windows:
         log.warning("evaluation text holds only %d windows of %d tokens (asked for %d)", n, seqlen, windows)
     return stream[: n * seqlen].view(n, seqlen)

@@ -205,7 +205,7 @@ def shard(total: int, what: str = "calibration samples") -> Shard:
     n = world()
     if total < n:
         raise ConfigError(f"{total} {what} cannot be shared by {n} processes; use at least {n} "
-                          "(--samples / --eval-samples) or fewer processes (--nproc-per-node)")
+                          "(data.samples / data.eval_samples) or fewer processes (torchrun --nproc-per-node)")
     r = rank()
     base, extra = divmod(total, n)
     start = r * base + min(r, extra)

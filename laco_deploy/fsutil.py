@@ -45,7 +45,7 @@ def _existing_ancestor(path: Path) -> Path:
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-def output_error(target: Path, e: OSError, option: str = "--out", folder: Path | None = None) -> LacoError | None:
+def output_error(target: Path, e: OSError, option: str = "output path", folder: Path | None = None) -> LacoError | None:
     """The one-line user error for an OSError met while writing `target` (new files go into `folder`,
     default: the nearest existing folder above it), or None when the error is not the user's to fix."""
     folder = folder or _existing_ancestor(Path(target).parent)
@@ -71,7 +71,7 @@ def output_error(target: Path, e: OSError, option: str = "--out", folder: Path |
 
 
 @contextlib.contextmanager
-def user_errors(target: Path, option: str = "--out", codes: tuple[int, ...] | None = None,
+def user_errors(target: Path, option: str = "output path", codes: tuple[int, ...] | None = None,
                 folder: Path | None = None) -> Iterator[None]:
     """Turn OS errors a user can fix (those in `codes`, default all) into their one-line LacoError."""
     try:
@@ -83,7 +83,7 @@ def user_errors(target: Path, option: str = "--out", codes: tuple[int, ...] | No
         raise mapped from e
 
 
-def check_writable(path: Path | None, option: str = "--out", *, into: bool = False) -> None:
+def check_writable(path: Path | None, option: str = "output path", *, into: bool = False) -> None:
     """Fail fast, before slow work, when `path` cannot be written (None: no path given, nothing to check).
 
     `into=False`: `path` (file or folder) is created or replaced atomically, so its parent must take

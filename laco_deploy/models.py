@@ -76,13 +76,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelError(f"--device {name} asked for CUDA but no CUDA GPU is visible; use --device cpu or auto")
+        raise ModelError(f"model.device {name} asks for CUDA but no CUDA GPU is visible; set model.device to cpu or auto")
     if name == "cuda" and distributed.active():
         return torch.device("cuda", distributed.local_rank() % torch.cuda.device_count())
     try:
         return torch.device(name)
     except RuntimeError as e:
-        raise ModelError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from e
+        raise ModelError(f"model.device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from e
 
 
 def default_gguf_path() -> Path:
@@ -194,7 +194,7 @@ def _check_hf_dir(path: Path, *, allow_pickle: bool) -> bool:
     if not has_safetensors and not allow_pickle:
         raise ModelError(
             f"{path} holds only pickled weights (*.bin), which can run arbitrary code when loaded; "
-            "convert them to safetensors or pass --allow-pickle if you trust the source"
+            "convert them to safetensors, or turn on model.allow_pickle if you trust the source"
         )
     return has_safetensors
 
@@ -305,7 +305,7 @@ def _hub_snapshot(repo_id: str) -> Path:
 
     offline_hint = (
         f"cannot download {repo_id!r} from the Hugging Face Hub (this machine is offline or the hub is unreachable); "
-        "pass a local Hugging Face directory or a .gguf file instead, or --model default"
+        "pass a local Hugging Face directory or a .gguf file instead, or model.model default"
     )
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         raise ModelError(offline_hint)

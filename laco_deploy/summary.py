@@ -132,7 +132,7 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
         lines.append("gates            " + "  ".join(
             f"{g.get('name')}: {'pass' if g['passed'] else 'FAIL'} ({_fmt(g.get('value'))} vs {_fmt(g.get('threshold'))})" for g in gates))
     else:
-        lines.append("gates            none set (--max-kl, --min-top1, --max-ppl-ratio)")
+        lines.append("gates            none set (fidelity.max_kl, fidelity.min_top1, fidelity.max_ppl_ratio)")
     walls = summary.get("stage_wall_s", {})
     reused = set(summary.get("stage_reused", []))
     ran = sum(v for k, v in walls.items() if k not in reused and v is not None)

@@ -167,9 +167,39 @@ def test_errors_show_the_running_commands_flags(cli, tmp_path, monkeypatch, args
     assert code == 2 and all(s in err for s in shown) and not any(h in err for h in hidden), err
 
 
-def test_setting_without_a_flag_keeps_its_name():
+def _group():
+    import typer
+
+    from laco_deploy.cli.app import app
+
+    return typer.main.get_command(app)
+
+
+@pytest.mark.parametrize("command, message, shown", [
+    # a setting the command runs but has no flag for stays: the YAML key to fix
+    ("build", "compensate.samples 0; data.samples 0", "compensate.samples 0; --samples 0"),
+    # a stage the command does not run: the stage command's flag
+    ("bench", "re-export with export.sparse_storage", "re-export with laco-deploy export --sparse-storage"),
+    ("compensate", "prune one first (prune.out DIR)", "prune one first (laco-deploy prune --out DIR)"),
+    ("fidelity", "bench.tolerance x", "laco-deploy bench compare --tolerance x"),
+    # file names and paths are not settings, even where a flag of that name exists (build --json)
+    ("build", "delete fidelity.json or out/fidelity.md; a model.safetensors file",
+     "delete fidelity.json or out/fidelity.md; a model.safetensors file"),
+    ("bench", "model.model default", "model.model default"),  # no flag and no stage command for it
+])
+def test_settings_become_the_flags_the_user_types(command, message, shown):
     from laco_deploy.cli.flags import with_flags
 
-    flags = {"--samples", "--method", "--recover"}
-    assert with_flags("compensate.samples 0; data.samples 0", "build", flags) == "compensate.samples 0; --samples 0"
-    assert with_flags("a model.safetensors file", "build", flags) == "a model.safetensors file"
+    assert with_flags(message, _group(), command) == shown
+
+
+def test_log_lines_show_the_running_commands_flags(capsys):
+    """Warnings and notes from the library name settings too; the terminal shows flags."""
+    import logging
+
+    from laco_deploy.cli import flags, output
+
+    flags.use(_group(), "prune")
+    output.configure(output.Verbosity.NORMAL)
+    logging.getLogger("laco_deploy.test").warning("prune.offload disk needs safetensors")
+    assert "warning: --offload disk needs safetensors" in capsys.readouterr().err

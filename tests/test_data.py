@@ -77,7 +77,7 @@ def test_bad_jsonl_and_missing_file(tmp_path):
 def test_text_shorter_than_one_sample(tmp_path, bpe_tokenizer):
     f = tmp_path / "short.txt"
     f.write_text("just a few words")
-    with pytest.raises(DataError, match="fewer than one sample of --seqlen 256"):
+    with pytest.raises(DataError, match="fewer than one sample of data.seqlen 256"):
         calibration_samples(bpe_tokenizer, str(f), 4, 256, 0)
     with pytest.raises(DataError, match="fewer than one window"):
         evaluation_windows(bpe_tokenizer, str(f), 4, 256)

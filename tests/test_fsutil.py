@@ -33,7 +33,7 @@ def test_oserrors_a_user_can_fix_become_one_line_errors(tmp_path, code, words):
     err = output_error(target, OSError(code, os.strerror(code), str(tmp_path / ".model.gguf.x.partial")))
     assert isinstance(err, (OutputError, ResourceError)) and err.exit_code == 2
     text = str(err)
-    assert words in text and str(target) in text and "--out" in text and ".partial" not in text
+    assert words in text and str(target) in text and "output path" in text and ".partial" not in text
     assert "\n" not in text
 
 
@@ -47,7 +47,7 @@ def test_option_name_is_the_one_the_user_typed(tmp_path):
 
 
 def test_check_writable_unwritable_parent():
-    with pytest.raises(OutputError, match=r"cannot write /proc/forbidden\.gguf: /proc does not accept new files; choose another --out"):
+    with pytest.raises(OutputError, match=r"cannot write /proc/forbidden\.gguf: /proc does not accept new files; choose another output path"):
         check_writable(Path("/proc/forbidden.gguf"))
     with pytest.raises(OutputError, match=r"/proc/forbidden cannot be created"):
         check_writable(Path("/proc/forbidden/model.gguf"))
@@ -75,7 +75,7 @@ def test_read_only_file_system_simulated(tmp_path, monkeypatch):
         raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / ".m.gguf.abc.partial"))
 
     monkeypatch.setattr(fsutil.tempfile, "mkstemp", read_only)
-    with pytest.raises(OutputError, match=r"read-only file system; choose another --out") as e:
+    with pytest.raises(OutputError, match=r"read-only file system; choose another output path") as e:
         check_writable(tmp_path / "m.gguf")
     assert ".partial" not in str(e.value)
     with pytest.raises(OutputError, match=r"cannot write .*m\.gguf: .* read-only"):

@@ -31,7 +31,7 @@ def test_pickle_refused_unless_allowed(tmp_path, tiny_llama_dir):
         torch.save(model.state_dict(), pickled / "pytorch_model.bin")
         for f in pickled.glob("*.safetensors"):
             f.unlink()
-    with pytest.raises(ModelError, match="--allow-pickle"):
+    with pytest.raises(ModelError, match="model.allow_pickle"):
         load_model(str(pickled))
     assert load_model(str(pickled), allow_pickle=True).model is not None
 

@@ -35,7 +35,7 @@ def test_offload_disk_refuses_hub_ids_by_source_kind(tmp_path):
     from laco_deploy.config import DataConfig
     from laco_deploy.prune import run
 
-    with pytest.raises(ConfigError, match="--offload disk .* hub id"):
+    with pytest.raises(ConfigError, match="prune.offload disk .* hub id"):
         run(ModelConfig(model="someone/some-model", device="cpu"), DataConfig(samples=1, seqlen=8),
             PruneConfig(offload="disk"), tmp_path / "out")
 

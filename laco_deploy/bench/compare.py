@@ -104,5 +104,5 @@ def parse_tolerances(specs: list[str]) -> dict[str, dict[str, float]]:
                 raise ValueError
             out.setdefault(name, {})[kind] = float(value)
         except ValueError as e:
-            raise ConfigError(f"--tolerance {spec!r} must look like METRIC=rel:0.1 or METRIC=abs:0.5") from e
+            raise ConfigError(f"bench.tolerance {spec!r} must look like METRIC=rel:0.1 or METRIC=abs:0.5") from e
     return out

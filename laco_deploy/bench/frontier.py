@@ -56,10 +56,10 @@ def plan_models(ratios: list[float], target_sets: list[str], variants: list[str]
     bad = [v for v in variants if v not in VARIANTS] + [t for t in target_sets if t not in TARGET_SETS] + \
           [u for u in unstructured if u not in UNSTRUCTURED]
     if bad:
-        raise ConfigError(f"unknown {', '.join(bad)}: --variants takes {', '.join(VARIANTS)}; --targets-sets "
-                          f"{', '.join(TARGET_SETS)}; --unstructured {', '.join(UNSTRUCTURED)}")
+        raise ConfigError(f"unknown {', '.join(bad)}: variants are {', '.join(VARIANTS)}; target sets "
+                          f"{', '.join(TARGET_SETS)}; unstructured methods {', '.join(UNSTRUCTURED)}")
     if any(not 0.0 < r < 1.0 for r in ratios):
-        raise ConfigError(f"--ratios {ratios}: each structured ratio must be in (0, 1)")
+        raise ConfigError(f"structured ratios {ratios}: each must be in (0, 1)")
     families = [(f"s{round(r * 100)}-{t}", PruneConfig(method="wanda", structured=r, targets=TARGET_SETS[t]))
                 for r in ratios for t in target_sets] + [(u, UNSTRUCTURED[u]) for u in unstructured]
     specs = [Spec(DENSE)]

@@ -87,7 +87,7 @@ def plan_tokens(ids: list[int], bos_id: int | None, cfg: BenchConfig) -> dict[st
     and the `n_prompt`-token prompt for the speed runs (text repeated when it is short)."""
     n = min(cfg.ppl_windows, len(ids) // cfg.ppl_ctx)
     if n < 1:
-        raise ConfigError(f"evaluation text has {len(ids)} tokens, fewer than one window of {cfg.ppl_ctx}; lower --ppl-ctx or add text")
+        raise ConfigError(f"evaluation text has {len(ids)} tokens, fewer than one window of {cfg.ppl_ctx}; lower bench.ppl_ctx or add text")
     windows = [list(ids[i * cfg.ppl_ctx:(i + 1) * cfg.ppl_ctx]) for i in range(n)]
     if bos_id is not None:
         for window in windows:

@@ -35,11 +35,11 @@ def _close_live_runners() -> None:
 
 def check_gguf_file(path: Path) -> None:
     if not path.is_file():
-        raise RuntimeBackendError(f"GGUF file {path} not found; export one with `laco-deploy export --target gguf`")
+        raise RuntimeBackendError(f"GGUF file {path} not found; export one with export.target gguf")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise RuntimeBackendError(f"{path} is not a GGUF file (magic {magic!r}); re-export it with `laco-deploy export --target gguf`")
+        raise RuntimeBackendError(f"{path} is not a GGUF file (magic {magic!r}); re-export it with export.target gguf")
 
 
 class LlamaCppRunner:

@@ -91,8 +91,8 @@ def _gpu_layers(device: str) -> int:
     import llama_cpp
 
     if not llama_cpp.llama_supports_gpu_offload():
-        raise ConfigError(f"--device {device}: this llama-cpp-python build has no GPU support; reinstall it with "
-                          "CMAKE_ARGS=-DGGML_CUDA=on or use --device cpu")
+        raise ConfigError(f"bench.device {device}: this llama-cpp-python build has no GPU support; reinstall it with "
+                          "CMAKE_ARGS=-DGGML_CUDA=on or set bench.device to cpu")
     return -1
 
 

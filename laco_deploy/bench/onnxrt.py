@@ -33,7 +33,7 @@ def model_file(path: Path) -> Path:
     path = Path(path)
     candidate = path / MODEL_FILE if path.is_dir() else path
     if not candidate.is_file():
-        raise RuntimeBackendError(f"no ONNX model at {candidate}; pass an export folder holding {MODEL_FILE} (laco-deploy export --target onnx) or an .onnx file")
+        raise RuntimeBackendError(f"no ONNX model at {candidate}; pass an export folder holding {MODEL_FILE} (export.target onnx) or an .onnx file")
     return candidate
 
 
@@ -47,10 +47,10 @@ def providers_for(device: str) -> tuple[list, str, int]:
         dev_id = int(device.partition(":")[2] or 0)
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise RuntimeBackendError(
-                f"--device {device} needs onnxruntime's CUDAExecutionProvider, which this onnxruntime lacks "
-                f"(has {', '.join(ort.get_available_providers())}); pip install 'laco-deploy[gpu]' (onnxruntime-gpu) or use --device cpu")
+                f"device {device} needs onnxruntime's CUDAExecutionProvider, which this onnxruntime lacks "
+                f"(has {', '.join(ort.get_available_providers())}); pip install 'laco-deploy[gpu]' (onnxruntime-gpu) or run on cpu")
         return [("CUDAExecutionProvider", {"device_id": dev_id}), "CPUExecutionProvider"], "cuda", dev_id
-    raise RuntimeBackendError(f"--device {device!r} is not one of cpu, cuda, cuda:N for onnxruntime")
+    raise RuntimeBackendError(f"device {device!r} is not one of cpu, cuda, cuda:N for onnxruntime")
 
 
 def _session_options(threads: int, external: dict[str, np.ndarray]) -> tuple[Any, list]:
@@ -86,10 +86,10 @@ class OrtDecoder:
         try:
             self.session = ort.InferenceSession(str(self.file), self._options, providers=providers)
         except Exception as e:  # onnxruntime raises its own Fail/InvalidGraph/... types
-            raise RuntimeBackendError(f"onnxruntime cannot load {self.file}: {str(e).splitlines()[0][:300]}; re-export it with laco-deploy export --target onnx") from e
+            raise RuntimeBackendError(f"onnxruntime cannot load {self.file}: {str(e).splitlines()[0][:300]}; re-export it with export.target onnx") from e
         self.provider = self.session.get_providers()[0]
         if self.device_type == "cuda" and self.provider != "CUDAExecutionProvider":
-            raise RuntimeBackendError(f"onnxruntime fell back to {self.provider} for --device {device}; check the CUDA and cuDNN libraries that onnxruntime-gpu needs")
+            raise RuntimeBackendError(f"onnxruntime fell back to {self.provider} for device {device}; check the CUDA and cuDNN libraries that onnxruntime-gpu needs")
         self._read_signature()
 
     def _read_signature(self) -> None:

@@ -93,7 +93,7 @@ def eval_tokens(path: Path, eval_spec: str, cfg: BenchConfig) -> dict[str, list]
     try:
         tok = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError) as e:
-        raise RuntimeBackendError(f"no tokenizer next to {model_file(path)} ({e}); benchmark an export folder written by laco-deploy export --target onnx") from e
+        raise RuntimeBackendError(f"no tokenizer next to {model_file(path)} ({e}); benchmark an export folder written with export.target onnx") from e
     ids = tok(harness.eval_text(eval_spec))["input_ids"]
     bos = tok.bos_token_id
     adds_bos = bos is not None and len(ids) > 0 and ids[0] == bos

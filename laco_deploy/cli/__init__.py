@@ -68,12 +68,6 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _with_flags(message: str) -> str:
-    """Library messages name settings; show the running command's flags instead."""
-    group = typer.main.get_command(app)
-    return flags.with_flags(message, state.command, flags.command_flags(group, state.command))
-
-
 def _run(args: list[str]) -> None:
     try:
         distributed.init_from_env()  # a no-op unless torchrun started more than one process
@@ -81,7 +75,7 @@ def _run(args: list[str]) -> None:
     except LacoError as e:
         if state.debug:
             raise
-        _report(f"[bold red]error:[/] {_with_flags(str(e))}", e.exit_code)
+        _report(f"[bold red]error:[/] {flags.user_text(str(e))}", e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except click_exceptions.ClickException as e:

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from laco_deploy import __version__, distributed
-from laco_deploy.cli import output
+from laco_deploy.cli import flags, output
 from laco_deploy.cli.common import console, state
 from laco_deploy.cli.output import Verbosity
 
@@ -47,7 +47,7 @@ def _root(
         "Runtime benchmarks have their own --threads."),
 ) -> None:
     state.debug = debug
-    state.command = ctx.invoked_subcommand
+    flags.use(ctx.command, ctx.invoked_subcommand)  # library messages name settings; show this command's flags
     if threads is not None:
         import torch
 

@@ -41,7 +41,7 @@ def bench_run(
         raise ConfigError(f"--runtime {runtime!r} is not one of {', '.join(RUNTIMES)}")
     cfg = BenchConfig(repetitions=repetitions, threads=threads, n_prompt=n_prompt, n_gen=n_gen, ppl_ctx=ppl_ctx, ppl_windows=ppl_windows)
     check(cfg.validate())
-    check_writable(out)
+    check_writable(out, "--out")
     paths = parse_labeled_paths(models, "model", "an exported model (.gguf file for llama.cpp, ONNX folder or .onnx file for onnxruntime)")
     result = RUNTIMES[runtime].run_benchmark(paths, eval_spec=eval_, cfg=cfg, device=device)
     from laco_deploy.bench.report import bench_table

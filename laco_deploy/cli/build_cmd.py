@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy import __version__
-from laco_deploy.cli import output
+from laco_deploy.cli import flags, output
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
 from laco_deploy.config import BuildConfig, to_dict
@@ -78,7 +78,7 @@ def build_command(
     if preset is not None:  # under the file and the flags, like a config file of its own
         file_values = layer(preset_values(preset), file_values, {k for k, v in overrides.items() if v is not None})
     cfg = merge(file_values, overrides)
-    check_writable(Path(cfg.out), into=True)
+    check_writable(Path(cfg.out), "--out", into=True)
     check_inputs(cfg)  # before the build folder and its log exist: a bad input leaves nothing behind
     with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
         log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))
@@ -96,7 +96,7 @@ def build_command(
     else:
         console.print()
         for line in lines:
-            console.print(line, highlight=False, soft_wrap=True)  # tables stay intact in narrow terminals and logs
+            console.print(flags.user_text(line), highlight=False, soft_wrap=True)  # tables stay intact in narrow terminals and logs
     if not manifest["gates_passed"]:
         failed = [g for g in summary["gates"] if not g["passed"]]
         raise GateFailed("gate failed: " + "; ".join(f"{g['name']} {g.get('value')} vs limit {g.get('threshold')}" for g in failed))

@@ -18,7 +18,6 @@ err_console = Console(stderr=True)
 @dataclass
 class _State:
     debug: bool = False
-    command: str | None = None  # the command running (build, prune, bench, ...): its flags name settings in errors
 
 
 state = _State()

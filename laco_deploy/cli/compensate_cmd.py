@@ -90,7 +90,7 @@ def compensate_command(
                             val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())
-    check_writable(out)
+    check_writable(out, "--out")
     check_writable(json_out, "--json")
     from laco_deploy.compensate import run
     from laco_deploy.models import resolve_device

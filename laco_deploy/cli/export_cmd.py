@@ -29,7 +29,7 @@ def export_command(
     """
     cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage)
     check(cfg.validate())
-    check_writable(out)
+    check_writable(out, "--out")
     from laco_deploy.models import check_source, local_model_dir
 
     check_source(model)  # before a GGUF is converted or an exporter loads anything

@@ -1,13 +1,14 @@
-"""Settings -> flags. Library errors name settings (`prune.sparsity`, config.py); when the CLI
-prints one it shows the flag of the command that ran (`--sparsity`), so flag names live only here
-and in the command modules. A setting the command has no flag for stays as it is: that is the key
-to fix in a `--config` YAML file."""
+"""Settings -> flags. Library errors and log lines name settings (`prune.sparsity`, config.py); when
+the CLI shows one it writes the flag of the command that ran (`--sparsity`), so flag names live only
+here and in the command modules. A setting of a stage the command does not run is shown as the stage
+command's flag (`export.sparse_storage` in `bench run` -> `laco-deploy export --sparse-storage`); a
+setting the command runs but has no flag for stays as it is: that is the key to fix in a `--config`
+YAML file."""
 
 from __future__ import annotations
 
 import re
-
-import click
+from typing import Any, Iterator
 
 SECTIONS = ("model", "data", "prune", "compensate", "fidelity", "export", "bench")
 
@@ -22,6 +23,8 @@ COMMAND_SECTIONS = {
     "plan": ("model", "data", "prune"),
     "inspect": ("model",),
 }
+# The command whose flags set a stage's settings, named when another command's message mentions one.
+HOME = {"prune": "prune", "compensate": "compensate", "fidelity": "fidelity", "export": "export", "bench": "bench"}
 
 # Where a flag is not `--` + the field name with dashes: (command or "*", setting) -> flag,
 # or None where the command's flag of that name sets another setting.
@@ -34,34 +37,67 @@ RENAMED: dict[tuple[str, str], str | None] = {
     ("build", "compensate.samples"): None,  # build's --samples is data.samples
 }
 
-_SETTING = re.compile(rf"\b({'|'.join(SECTIONS)})\.([a-z][a-z0-9_]*)\b")
+# `section.field`, not inside a path (out/fidelity.json) and not a file name (fidelity.json, model.safetensors)
+_FILE_TYPES = "json|jsonl|md|html|log|yaml|yml|txt|gguf|onnx|safetensors|bin|pt|csv|partial|ckpt"
+_SETTING = re.compile(rf"(?<![\w./\\-])({'|'.join(SECTIONS)})\.(?!(?:{_FILE_TYPES})\b)([a-z][a-z0-9_]*)\b")
+
+_running: tuple[Any, str | None] | None = None  # (the root group, the command) of this run
 
 
-def command_flags(group: click.Group, name: str | None) -> set[str]:
-    """Every option string of command `name` (and of its subcommands, for a group like bench)."""
-    cmd = group.commands.get(name) if name else None
-    todo, flags = [cmd] if cmd is not None else [], set()
+def use(group: Any, command: str | None) -> None:
+    """Remember the running command, so that `user_text` shows its flags."""
+    global _running
+    _running = (group, command)
+
+
+def user_text(message: str) -> str:
+    """`message` as the user of the running command should read it (unchanged outside the CLI)."""
+    return message if _running is None else with_flags(message, *_running)
+
+
+def _commands(group: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """Command `name` and, for a group like bench, each subcommand as ("bench run", command)."""
+    todo = [(name, group.commands.get(name))]
     while todo:
-        c = todo.pop()
-        flags |= {o for p in c.params for o in (*p.opts, *p.secondary_opts)}
-        if isinstance(c, click.Group):
-            todo += list(c.commands.values())
-    return flags
+        path, cmd = todo.pop(0)
+        if hasattr(cmd, "commands"):  # a group (typer may vendor its own click: no isinstance)
+            todo += [(f"{path} {n}", c) for n, c in cmd.commands.items()]
+        elif cmd is not None:
+            yield path, cmd
 
 
-def flag_for(setting: str, command: str | None, flags: set[str]) -> str | None:
-    """The flag of `command` that sets `setting` (e.g. "prune.sparsegpt_damp" -> "--damp"), or None."""
+def _options(cmd: Any) -> set[str]:
+    return {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+
+
+def command_flags(group: Any, name: str | None) -> set[str]:
+    """Every option string of command `name` (and of its subcommands, for a group like bench)."""
+    return {o for _, c in _commands(group, name or "") for o in _options(c)}
+
+
+def _own_flag(setting: str, command: str | None, flags: set[str]) -> str | None:
     for key in ((command, setting), ("*", setting)):
         if key in RENAMED:
             flag = RENAMED[key]
             return flag if flag in flags else None
-    section, _, field = setting.partition(".")
-    if section not in COMMAND_SECTIONS.get(command or "", ()):
-        return None
-    flag = "--" + field.replace("_", "-")
+    flag = "--" + setting.partition(".")[2].replace("_", "-")
     return flag if flag in flags else None
 
 
-def with_flags(message: str, command: str | None, flags: set[str]) -> str:
-    """`message` with each setting name the command has a flag for replaced by that flag."""
-    return _SETTING.sub(lambda m: flag_for(m.group(0), command, flags) or m.group(0), message)
+def flag_for(setting: str, command: str | None, group: Any) -> str | None:
+    """How the user of `command` sets `setting`: its flag (prune.sparsegpt_damp -> "--damp"), the
+    stage command's flag when `command` does not run that stage ("laco-deploy export --quant"), or None."""
+    section = setting.partition(".")[0]
+    if section in COMMAND_SECTIONS.get(command or "", ()):
+        return _own_flag(setting, command, command_flags(group, command))
+    home = HOME.get(section)
+    for path, cmd in _commands(group, home) if home else ():
+        flag = _own_flag(setting, home, _options(cmd))
+        if flag:
+            return f"laco-deploy {path} {flag}"
+    return None
+
+
+def with_flags(message: str, group: Any, command: str | None) -> str:
+    """`message` with each setting name replaced by the way the user of `command` sets it."""
+    return _SETTING.sub(lambda m: flag_for(m.group(0), command, group) or m.group(0), message)

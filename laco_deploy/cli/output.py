@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator
 
+from laco_deploy.cli import flags
+
 OURS = ("laco_deploy", "exporters")  # top-level packages whose loggers are ours
 FILE_ONLY = {"file_only": True}  # `extra=` for records meant for the build log, not the terminal
 _DETAIL_FORMAT = "%(levelname)s %(name)s: %(message)s"
@@ -63,7 +65,15 @@ class _TerminalFilter(logging.Filter):
         return record.levelno >= (self.ours if is_ours(record.name) else self.others)
 
 
-class _PlainFormatter(logging.Formatter):
+class _FlagsFormatter(logging.Formatter):
+    """Our records name settings (prune.offload); the terminal and build.log show the running command's flags."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return flags.user_text(message) if is_ours(record.name) else message
+
+
+class _PlainFormatter(_FlagsFormatter):
     """Our INFO lines as bare messages; warnings and errors prefixed `warning:` / `error:`, and with the
     logger's name when another library's error gets through."""
 
@@ -95,7 +105,7 @@ def configure(level: Verbosity) -> None:
     terminal = _StderrHandler()
     terminal.laco_terminal = True  # type: ignore[attr-defined]
     terminal.addFilter(_TerminalFilter(*_TERMINAL_LEVELS[level]))
-    terminal.setFormatter(logging.Formatter(_DETAIL_FORMAT) if level >= Verbosity.VERBOSE else _PlainFormatter("%(message)s"))
+    terminal.setFormatter(_FlagsFormatter(_DETAIL_FORMAT) if level >= Verbosity.VERBOSE else _PlainFormatter("%(message)s"))
     root.addHandler(terminal)
     root.setLevel(min(_TERMINAL_LEVELS[level]))
     logging.captureWarnings(True)  # Python warnings become records of the third-party `py.warnings` logger
@@ -162,7 +172,7 @@ def log_file(path: Path) -> Iterator[Path]:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s " + _DETAIL_FORMAT))
+    handler.setFormatter(_FlagsFormatter("%(asctime)s " + _DETAIL_FORMAT))
     root = logging.getLogger()
     ours = [logging.getLogger(name) for name in OURS]
     previous = root.level, [logger.level for logger in ours]

@@ -78,7 +78,7 @@ def prune_command(
                        sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload,
                        batch_size=batch_size)
     check(pcfg.validate())
-    check_writable(out)
+    check_writable(out, "--out")
     result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
     if as_json:
         import json

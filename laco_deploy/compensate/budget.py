@@ -40,7 +40,7 @@ def resolve_budget(comp: CompensateConfig, data: DataConfig, device: torch.devic
         seqlen = min(data.seqlen, comp.cpu_seqlen)
         b = Budget(comp.cpu_samples, seqlen, comp.epochs, "small CPU budget",
                    f"using a small CPU budget: {comp.cpu_samples} x {seqlen} tokens, {comp.epochs} epochs "
-                   f"(the paper uses {comp.gpu_samples} samples on a GPU; pass --samples N to choose, "
-                   "then --seqlen applies as given)")
+                   f"(the paper uses {comp.gpu_samples} samples on a GPU; set compensate.samples N to choose, "
+                   "then data.seqlen applies as given)")
     log.info("%s", b.note)
     return b

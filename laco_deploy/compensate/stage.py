@@ -37,7 +37,7 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: Compensate
         raise ConfigError("; ".join(errors))
     if not sparse_dir.is_dir() or not (sparse_dir / "config.json").is_file():
         raise ModelError(f"pruned model directory {sparse_dir} not found (no config.json there); "
-                         "run `laco-deploy prune --out DIR` first and pass that DIR as --sparse")
+                         "prune a model into DIR first (prune.out DIR) and pass DIR as compensate.sparse")
     if comp_cfg.method != "none":  # before either model loads
         check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)
         check_source(str(sparse_dir))
@@ -51,7 +51,7 @@ def check_compatible(dense_cfg: Any, sparse_cfg: Any, dense_dir: str, sparse_dir
             if getattr(dense_cfg, k, None) != getattr(sparse_cfg, k, None)]
     if diff:
         raise ModelError(f"dense model {dense_dir} and pruned model {sparse_dir} do not match ({'; '.join(diff)}); "
-                         "pass as --dense the model that was pruned into --sparse")
+                         "pass as model.model the model that was pruned into compensate.sparse")
 
 
 def _check_shapes(dense, sparse, targets: tuple[str, ...], sparse_dir: Path) -> None:
@@ -60,7 +60,7 @@ def _check_shapes(dense, sparse, targets: tuple[str, ...], sparse_dir: Path) -> 
     for key, n in dense_numel(sparse, targets).items():
         if n > numel.get(key, -1):
             raise ModelError(f"{sparse_dir}: {key} is larger than in the dense model; "
-                             "pass as --dense the model that was pruned into --sparse")
+                             "pass as model.model the model that was pruned into compensate.sparse")
 
 
 def _prune_info(sparse_cfg: Any) -> dict[str, Any]:
@@ -107,8 +107,8 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     sparse_dir, out_dir = Path(sparse_dir), Path(out_dir)
     _validate(model_cfg, data_cfg, comp_cfg, sparse_dir)
     if comp_cfg.method == "lora" and distributed.world() > 1:
-        raise ConfigError("--method lora trains the whole model in one process and is not split over torchrun ranks; "
-                          "run it without torchrun (or use --method laco)")
+        raise ConfigError("compensate.method lora trains the whole model in one process and is not split over torchrun "
+                          "ranks; run it without torchrun (or set compensate.method to laco)")
     if comp_cfg.method == "none":
         return _copy_only(sparse_dir, out_dir, comp_cfg)
     device = device if device is not None else resolve_device(model_cfg.device)
@@ -137,8 +137,8 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         model, summary = models.sparse, None
     else:
         if resume:
-            log.warning("--resume: the LoRA baseline trains the whole model at once and has no per-layer checkpoints; "
-                        "it starts over")
+            log.warning("the LoRA baseline trains the whole model at once and has no per-layer checkpoints to resume "
+                        "from; it starts over")
         model, summary = lora.compensate(models.sparse, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
         records = []
     meter.close()

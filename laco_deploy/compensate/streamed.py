@@ -67,7 +67,7 @@ def resolve_offload(cfg: CompensateConfig, sparse_dir: Path, tokens: int) -> Com
     if free is None or need <= RAM_SHARE * free:
         return cfg
     log.info("compensate: the pruned model and its activations need about %.1f GiB but %.1f GiB of RAM is available; "
-             "streaming its layers from disk instead (as with --offload disk)", need / GIB, free / GIB)
+             "streaming its layers from disk instead (as with compensate.offload disk)", need / GIB, free / GIB)
     return dataclasses.replace(cfg, offload="disk")
 
 
@@ -78,13 +78,13 @@ def open_models(model_cfg: ModelConfig, sparse_dir: Path, cfg: CompensateConfig,
     dense, dense_lazy = open_dense(model_cfg)
     if cfg.offload == "disk" and cfg.method == "laco":
         if not _has_safetensors(sparse_dir):
-            raise ModelError(f"{sparse_dir} has no *.safetensors; --offload disk streams layers from safetensors files only")
+            raise ModelError(f"{sparse_dir} has no *.safetensors; compensate.offload disk streams layers from safetensors files only")
         sparse_lazy = LazyModel.open(sparse_dir, spill_dir=spill_dir)
         tokenizer = AutoTokenizer.from_pretrained(sparse_dir)
         return Models(dense, sparse_lazy.model, tokenizer, dense_lazy, sparse_lazy)
     if cfg.method == "lora":
         log.info("the LoRA baseline trains the whole pruned model at once: it holds its %.2f GiB of fp32 weights in RAM "
-                 "(--offload applies to LaCo only)", model_bytes(sparse_dir)["total"] / GIB)
+                 "(compensate.offload applies to LaCo only)", model_bytes(sparse_dir)["total"] / GIB)
     loaded = load_model(str(sparse_dir))
     return Models(dense, loaded.model, loaded.tokenizer, dense_lazy, None)
 

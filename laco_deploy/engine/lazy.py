@@ -32,7 +32,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     """Map tensor name -> the safetensors file holding it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelError(f"{path} has no *.safetensors; --offload disk streams layers from safetensors files only")
+        raise ModelError(f"{path} has no *.safetensors; streaming decoder layers from disk (offload disk) reads safetensors files only")
     where: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:

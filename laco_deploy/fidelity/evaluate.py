@@ -163,7 +163,7 @@ def run(
     if errs:
         raise ConfigError("; ".join(errs))
     if not candidates:
-        raise ConfigError("no candidate given; pass at least one model to compare, e.g. --candidate pruned=out/pruned")
+        raise ConfigError("no candidate given; pass at least one model to compare, e.g. fidelity.candidate pruned=out/pruned")
     t0 = time.perf_counter()
     check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)  # bad inputs fail before any model loads
     check_texts(data_cfg.eval, "eval")

@@ -135,7 +135,7 @@ def known_names() -> list[str]:
 def load_tasks(specs: tuple[str, ...] | list[str]) -> LoadedTasks:
     """Resolve and build every task (its data is loaded here); TaskError names the first that fails."""
     if not specs:
-        raise TaskError("no zero-shot task given; pass --tasks with a task name or a task .yaml file")
+        raise TaskError("no zero-shot task given; set fidelity.tasks to a task name or a task .yaml file")
     resolved = [resolve(s) for s in specs]
     if any(r.kind == "harness" for r in resolved):
         manager = _default_manager()
@@ -233,7 +233,7 @@ def _standard(name: str) -> ResolvedTask:
     data = root / std.data if root is not None else None
     if data is None or not data.is_file():
         where = f" ({data} is missing)" if data is not None else ""
-        raise TaskError(f"task {name} needs its data on disk{where}: {DATA_HINT}; or point --tasks at a local task .yaml")
+        raise TaskError(f"task {name} needs its data on disk{where}: {DATA_HINT}; or point fidelity.tasks at a local task .yaml")
     yaml_path = _harness_tasks_dir() / std.harness_yaml
     resolved = _from_yaml(yaml_path, "standard")
     cfg = dict(resolved.spec)  # type: ignore[arg-type]

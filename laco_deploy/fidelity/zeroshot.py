@@ -182,6 +182,6 @@ def notes(zs: dict[str, Any]) -> list[str]:
         src = f"data {', '.join(info['data_files'])}" if info["data_files"] else f"harness task {info['source']}"
         out.append(f"{task}: {info['split']} split, {info['docs']} documents ({info['kind']}; {src})")
     if zs["settings"].get("limit"):
-        out.append(f"only the first {zs['settings']['limit']} documents of each task were scored (--task-limit)")
+        out.append(f"only the first {zs['settings']['limit']} documents of each task were scored (fidelity.task_limit)")
     out += [f"not scored: {label} ({why})" for label, why in zs.get("skipped", {}).items()]
     return out

@@ -90,8 +90,8 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
 
     source = resolve_source(model_cfg.model)
     if source.kind == HUB:
-        raise ConfigError(f"--offload disk streams layers from a local model; {model_cfg.model!r} is a hub id: "
-                          "use --offload cpu, or pass a local Hugging Face directory or .gguf file")
+        raise ConfigError(f"prune.offload disk streams layers from a local model; {model_cfg.model!r} is a hub id: "
+                          "set prune.offload to cpu, or pass a local Hugging Face directory or .gguf file")
     path = local_dir(source)
     lazy = LazyModel.open(path, spill_dir=distributed.rank_dir(ckpt / "spill"))
     check_architecture(lazy.model.config)

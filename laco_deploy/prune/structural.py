@@ -57,12 +57,12 @@ def check_feasible(config, cfg: PruneConfig) -> None:
         log.warning("--structured: %s; removing FFN channels only", why)
     for i, w in enumerate(layer_widths(config)):
         if ffn_on and removal_count(w["intermediate_size"], cfg.structured) >= w["intermediate_size"]:
-            raise ConfigError(f"--structured {cfg.structured} would remove all {w['intermediate_size']} FFN channels "
+            raise ConfigError(f"prune.structured {cfg.structured} would remove all {w['intermediate_size']} FFN channels "
                               f"of layer {i}; use a smaller ratio")
         kv = w["num_key_value_heads"]
         if attn_on and removal_count(kv, cfg.structured) >= kv:
-            raise ConfigError(f"--structured {cfg.structured} would remove all {kv} attention head groups of layer {i}; "
-                              f"use a ratio below {(kv - 0.5) / kv:.2f}, or --targets gate_proj,up_proj,down_proj for FFN only")
+            raise ConfigError(f"prune.structured {cfg.structured} would remove all {kv} attention head groups of layer {i}; "
+                              f"use a ratio below {(kv - 0.5) / kv:.2f}, or prune.targets gate_proj,up_proj,down_proj for FFN only")
 
 
 def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor]:

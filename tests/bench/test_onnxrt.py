@@ -36,7 +36,7 @@ def test_physical_cores_and_cpu_provider():
 
 @pytest.mark.skipif(HAS_CUDA_EP, reason="this onnxruntime has the CUDA provider")
 def test_cuda_without_the_gpu_build_is_a_clear_error():
-    with pytest.raises(RuntimeBackendError, match=r"--device cuda:1 .*CUDAExecutionProvider.*laco-deploy\[gpu\]"):
+    with pytest.raises(RuntimeBackendError, match=r"device cuda:1 .*CUDAExecutionProvider.*laco-deploy\[gpu\]"):
         providers_for("cuda:1")
 
 

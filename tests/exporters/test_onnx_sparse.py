@@ -118,7 +118,7 @@ def test_densify_refuses_a_dense_export(tmp_path):
     from laco_deploy.errors import ExportError
 
     tmp_path.joinpath("model.onnx").write_bytes(b"")
-    with pytest.raises(ExportError, match="--sparse-storage"):
+    with pytest.raises(ExportError, match="export.sparse_storage"):
         onnx_sparse.densify(tmp_path)
 
 

@@ -97,8 +97,8 @@ def test_gates_pass_fail_miss_and_nan():
 
 
 def test_config_rejects_bad_gates():
-    assert any("--min-top1 1.5" in e for e in FidelityConfig(min_top1=1.5).validate())
-    assert any("--max-kl" in e for e in FidelityConfig(max_kl=-1).validate())
+    assert any("fidelity.min_top1 1.5" in e for e in FidelityConfig(min_top1=1.5).validate())
+    assert any("fidelity.max_kl" in e for e in FidelityConfig(max_kl=-1).validate())
     assert any("nan" in e for e in FidelityConfig(max_kl=float("nan")).validate())
     assert FidelityConfig(max_kl=0.1, min_top1=0.9, max_ppl_ratio=1.2).validate() == []
 
