@@ -56,7 +56,7 @@ class Family:
                 raise ConfigError(f"{self.label} fuses {', '.join(parts)} into one {name}: target all of them or "
                                   f"none (got {', '.join(asked)})")
         if not self.module_names(targets):
-            raise ConfigError(f"--targets {','.join(targets)} selects no linear of {self.label}")
+            raise ConfigError(f"prune.targets {','.join(targets)} selects no linear of {self.label}")
 
 
 TABLE: tuple[Family, ...] = (

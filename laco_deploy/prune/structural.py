@@ -52,9 +52,9 @@ def check_feasible(config, cfg: PruneConfig) -> None:
         why = (f"{family.label} splits its fused {family.attention[0]} by the model-wide head count, so head groups "
                "cannot be removed per layer")
         if not ffn_on:
-            raise ConfigError(f"--structured on attention only: {why}; target the MLP "
+            raise ConfigError(f"prune.structured on attention only: {why}; target the MLP "
                               f"({','.join(FFN)}) or prune attention unstructured")
-        log.warning("--structured: %s; removing FFN channels only", why)
+        log.warning("prune.structured: %s; removing FFN channels only", why)
     for i, w in enumerate(layer_widths(config)):
         if ffn_on and removal_count(w["intermediate_size"], cfg.structured) >= w["intermediate_size"]:
             raise ConfigError(f"prune.structured {cfg.structured} would remove all {w['intermediate_size']} FFN channels "

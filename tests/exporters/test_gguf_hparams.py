@@ -28,7 +28,8 @@ def test_omitted_keys_take_the_config_class_defaults(model_type, tmp_path):
               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256}
     meta, arch = _metadata(config, tmp_path / "m.gguf")
     defaults = AutoConfig.for_model(model_type)
-    theta = (getattr(defaults, "rope_parameters", None) or {}).get("rope_theta", getattr(defaults, "rope_theta", None))
+    rope = getattr(defaults, "rope_parameters", None) or {"rope_theta": getattr(defaults, "rope_theta", None)}
+    theta = rope.get("full_attention", rope)["rope_theta"]  # Gemma 3: llama.cpp's freq_base is the full-attention layers'
     assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(defaults.rms_norm_eps)
     assert meta[f"{arch}.rope.freq_base"] == pytest.approx(theta)
     assert meta[f"{arch}.context_length"] == defaults.max_position_embeddings
