@@ -44,7 +44,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 def preset_values(name: str) -> dict[str, dict[str, Any]]:
     """The config-file sections of preset `name` (copies); an unknown name lists the known ones."""
     if name not in PRESETS:
-        raise ConfigError(f"--preset {name!r} is not one of {', '.join(PRESETS)}")
+        raise ConfigError(f"preset {name!r} is not one of {', '.join(PRESETS)}")
     return {section: dict(values) for section, values in PRESETS[name].settings.items()}
 
 
