@@ -62,4 +62,4 @@ def test_laco_trains_corrections_under_the_mask(tiny_llama_dir, sparse_unstructu
 
 def test_unknown_trainable_is_reported():
     errs = CompensateConfig(trainable="everything", correction_rank=0).validate()
-    assert any("--trainable" in e for e in errs) and any("--correction-rank" in e for e in errs)
+    assert any("compensate.trainable" in e for e in errs) and any("compensate.correction_rank" in e for e in errs)
