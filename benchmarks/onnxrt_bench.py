@@ -22,6 +22,7 @@ from pathlib import Path
 
 from laco_deploy.config import (
     BenchConfig,
+    DEFAULT_MODEL,
     CompensateConfig,
     DataConfig,
     ModelConfig,
@@ -49,7 +50,7 @@ def make_models(work: Path, args) -> dict[str, Path]:
 
     model_cfg = ModelConfig(model=args.model, device="cpu")
     data_cfg = DataConfig(samples=args.samples, seqlen=args.seqlen)
-    models = {"dense": ensure_default_converted() if args.model == "default" else Path(args.model)}
+    models = {"dense": ensure_default_converted() if args.model == DEFAULT_MODEL else Path(args.model)}
     models["wanda 50%"] = _model(work / "wanda50", lambda p: prune.run(
         model_cfg, data_cfg, PruneConfig(method="wanda", sparsity=0.5), p))
     if args.laco:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=2, help="LaCo epochs")
     ap.add_argument("--no-laco", dest="laco", action="store_false", help="skip the LaCo-compensated model")
     ap.add_argument("--no-int8", dest="int8", action="store_false", help="skip the int8 comparison")
-    ap.add_argument("--model", default="default", help="dense model: 'default' or a Hugging Face directory")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="dense model: 'default' or a Hugging Face directory")
     ap.add_argument("--repetitions", type=int, default=BenchConfig.repetitions, help="timed repetitions")
     ap.add_argument("--n-prompt", type=int, default=BenchConfig.n_prompt, help="prompt tokens (pp, TTFT)")
     ap.add_argument("--n-gen", type=int, default=BenchConfig.n_gen, help="generated tokens (tg)")
