@@ -159,14 +159,14 @@ def test_disk_offload_gives_the_same_weights(data_cfg, tiny_llama_untied_dir, tm
 
 
 @pytest.mark.parametrize("prune,message", [
-    (dict(sparsity=1.0), r"--sparsity 1.0 must be in \[0, 1\)"),
-    (dict(sparsity=-0.1), r"--sparsity -0.1 must be in \[0, 1\)"),
+    (dict(sparsity=1.0), r"prune.sparsity 1.0 must be in \[0, 1\)"),
+    (dict(sparsity=-0.1), r"prune.sparsity -0.1 must be in \[0, 1\)"),
     (dict(pattern="4:4"), r"need 0 < N < M"),
     (dict(pattern="2-4"), r"must look like N:M"),
-    (dict(structured=1.0), r"--structured 1.0 must be in \(0, 1\)"),
-    (dict(method="obc"), r"--method 'obc' is not one of"),
-    (dict(targets=("lm_head",)), r"--targets lm_head unknown"),
-    (dict(owl=True, pattern="2:4"), r"--owl sets per-layer ratios"),
+    (dict(structured=1.0), r"prune.structured 1.0 must be in \(0, 1\)"),
+    (dict(method="obc"), r"prune.method 'obc' is not one of"),
+    (dict(targets=("lm_head",)), r"prune.targets lm_head unknown"),
+    (dict(owl=True, pattern="2:4"), r"prune.owl sets per-layer ratios"),
 ])
 def test_bad_settings_raise_one_clear_error(data_cfg, tiny_llama_dir, tmp_path, prune, message):
     with pytest.raises(ConfigError, match=message):
