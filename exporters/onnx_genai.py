@@ -38,6 +38,9 @@ def genai_config(config: dict[str, Any], generation: dict[str, Any] | None, *, s
     or (None, the reason it cannot run in onnxruntime-genai)."""
     if sparse_storage:
         return None, "sparse storage keeps the weights outside the graph; onnxruntime-genai loads the graph alone"
+    if "sliding_attention" in (config.get("layer_types") or ()):
+        return None, ("sliding-window layers keep a shorter cache than full-attention layers and "
+                      "onnxruntime-genai sizes one cache for all layers (Gemma 3: present shape mismatch)")
     kv_heads, why = _kv_heads(config)
     if kv_heads is None:
         return None, why
