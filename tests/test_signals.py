@@ -12,21 +12,21 @@ from pathlib import Path
 
 import pytest
 
-# Runs the CLI with the layer walk paused before layer 1's checkpoint (layer 0 is saved), and
+# Runs the CLI with the layer walk paused before layer 1's checkpoint is saved (layer 0's is), and
 # announces the pause through a marker file, so the signal always lands mid-run.
 DRIVER = textwrap.dedent("""
     import signal, sys, time
     signal.signal(signal.SIGINT, signal.default_int_handler)  # a background parent may have ignored it
     from pathlib import Path
-    from laco_deploy.engine import walk
+    from laco_deploy.engine.checkpoint import LayerCheckpoints
     marker = Path(sys.argv[1])
-    real = walk._checkpoint_paths
-    def paused(ckpt, i):
+    real = LayerCheckpoints.save
+    def paused(self, i, layer, record):
         if i == 1:
             marker.write_text("paused")
             time.sleep(120)
-        return real(ckpt, i)
-    walk._checkpoint_paths = paused
+        return real(self, i, layer, record)
+    LayerCheckpoints.save = paused
     from laco_deploy.cli import main
     main(sys.argv[2:])
 """)
