@@ -159,10 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results: dict[str, dict] = {}
 
-    def save(size: str, row: dict | None = None) -> dict:
-        if row is not None:
-            results[size] = row
-        doc = {"results": results, "complete": False, "workload": JOB.__dict__, "threads": args.threads,
+    def save(complete: bool = False) -> dict:
+        doc = {"results": results, "complete": complete, "workload": JOB.__dict__, "threads": args.threads,
                "total_s": round(time.perf_counter() - t0),
                "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_now": os.getloadavg()},
                "protocol": {"peak": "ru_maxrss of the stage's own process (Python, torch, libraries included)",
@@ -172,12 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         return doc
 
     for size in sizes:
-        bench_size(size, args.work / size, args.threads, lambda row, size=size: save(size, row))
+        def on_stage(row: dict, size: str = size) -> None:
+            results[size] = row
+            save()
+
+        bench_size(size, args.work / size, args.threads, on_stage)
         if not args.keep:
             shutil.rmtree(args.work / size, ignore_errors=True)
-    doc = save(sizes[-1])
-    doc["complete"] = True
-    write_json(args.out, doc)
+    doc = save(complete=True)
     print(table(results))
     print(f"\ntotal {doc['total_s']} s; JSON in {args.out}")
     return 0
