@@ -113,10 +113,29 @@ def _check_family(hf_arch: str, config: dict[str, Any], n_layers: int, head_dim:
     if spec.local_rope_theta and float(local.get("rope_theta", spec.local_rope_theta)) != spec.local_rope_theta:
         raise ExportError(f"sliding layers' RoPE base {local['rope_theta']} differs from llama.cpp's fixed "
                           f"{spec.local_rope_theta:g} for {hf_arch}; cannot export to GGUF")
+    if spec.nope_period:
+        _check_nope_layers(hf_arch, config, n_layers, spec.nope_period)
+    if spec.full_attention_only and "sliding_attention" in (config.get("layer_types") or ()):
+        raise ExportError(f"layer_types {config['layer_types']} has sliding-window layers, which llama.cpp's "
+                          f"{gguf.MODEL_ARCH_NAMES[spec.arch]} graph does not build; cannot export to GGUF "
+                          "(set use_sliding_window to false)")
     scalar = config.get("query_pre_attn_scalar")
     if spec.query_scale_is_head_dim and scalar is not None and int(scalar) != head_dim:
         raise ExportError(f"query_pre_attn_scalar {scalar} differs from head_dim {head_dim}: llama.cpp's "
                           f"{hf_arch} graph scales queries by 1/sqrt(head_dim); cannot export to GGUF")
+
+
+def _check_nope_layers(hf_arch: str, config: dict[str, Any], n_layers: int, period: int) -> None:
+    """llama.cpp skips RoPE on layer i exactly when (i + 1) % period == 0 (fixed, not read from the file);
+    config no_rope_layers (1: RoPE, 0: none; else every no_rope_layer_interval-th layer) must be that."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = int(hf_setting(config, "no_rope_layer_interval"))
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    expected = [int((i + 1) % period != 0) for i in range(n_layers)]
+    if [int(f) for f in flags] != expected:
+        raise ExportError(f"no_rope_layers {list(flags)} differ from llama.cpp's fixed {hf_arch} pattern "
+                          f"{expected} (no RoPE on every {period}th layer); cannot export to GGUF")
 
 
 @functools.lru_cache(maxsize=None)

@@ -45,6 +45,11 @@ class ArchSpec:
     local_rope_theta: float | None = None
     # llama.cpp scales queries by 1/sqrt(head_dim); a config asking otherwise (query_pre_attn_scalar) is refused
     query_scale_is_head_dim: bool = False
+    # llama.cpp fixes the layers without RoPE itself (layer i has none when (i + 1) % period == 0; there is
+    # no GGUF key for it) instead of reading them; the config's no_rope_layers must agree
+    nope_period: int | None = None
+    # llama.cpp's graph has no sliding-window attention: a config with sliding layers is refused
+    full_attention_only: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -81,6 +86,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         gguf.MODEL_ARCH.PHI3, permute_qk=False, per_layer_as_deci=False,
         extra_keys=((gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, "original_max_position_embeddings", int, None),
                     (gguf.Keys.Attention.SLIDING_WINDOW, "sliding_window", int, 0))),
+    # SmolLM3 (conversion/llama.py SmolLM3Model, a LlamaModel): arch `smollm3`, Llama's tensors with Q/K rows
+    # reordered (normal RoPE); llama.cpp hard-codes its NoPE layers (n_no_rope_layer_step = 4 in
+    # load_arch_hparams) and builds no sliding window; per-layer widths would need `deci`, which ropes every layer.
+    "SmolLM3ForCausalLM": ArchSpec(gguf.MODEL_ARCH.SMOLLM3, permute_qk=True, per_layer_as_deci=False, nope_period=4,
+                                   full_attention_only=True),
 }
 MODEL_TYPES = families.MODEL_TYPES  # config.json model_type -> the class above (laco_deploy/families.py)
 

@@ -1,8 +1,8 @@
 """The model families laco-deploy supports: one table, read by the loader, the stages and both exporters.
 
-Every family has a decoder layer of attention + gated MLP with RMSNorms and RoPE; what differs
-between them (which linears exist, which norms, what the head does to the logits, how residual
-streams are written) is a field of its `Family` record, so stages ask the table instead of
+Every family has a decoder layer of attention + gated MLP with RMSNorms and RoPE (SmolLM3: on most
+layers); what differs between them (which linears exist, which norms, what the head does to the
+logits, how residual streams are written) is a field of its `Family` record, so stages ask the table instead of
 testing architecture names. How a family is written as GGUF is data in exporters/gguf_names.py
 (keyed by the same class names).
 """
@@ -83,6 +83,10 @@ TABLE: tuple[Family, ...] = (
            ffn=("gate_up_proj", "down_proj"),
            fused={"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
            structured_heads=False),
+    # SmolLM3: Llama's layer, but the layers config.no_rope_layers marks 0 (every 4th by default) apply
+    # no RoPE; each attention module reads its own flag, so the engine passes every layer the same
+    # position embeddings; tied head
+    Family("SmolLM3ForCausalLM", "smollm3", "SmolLM3", "SmolLM3DecoderLayer"),
 )
 
 BY_CLASS = {f.hf_class: f for f in TABLE}

@@ -247,6 +247,7 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
+    _teach_gguf_reader()
     try:
         config = _gguf_config(gguf)
         with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF", "tensor"):
@@ -264,6 +265,27 @@ def ensure_gguf_converted(gguf: Path) -> Path:
         tok.save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf)}))
     return target
+
+
+# GGUF architectures transformers' GGUF reader does not know, read as one it knows with the same keys and
+# tensor layout: llama.cpp's converter writes SmolLM3 as Llama's tensors (Q/K rows reordered) under
+# `smollm3`. The model is still built from config model_type `smollm3`, whose default NoPE pattern
+# (every 4th layer) is the one llama.cpp fixes for that architecture.
+_GGUF_READ_AS = {"smollm3": "llama"}
+
+
+def _teach_gguf_reader() -> None:
+    """Add the _GGUF_READ_AS architectures to transformers' GGUF tables (once; a transformers that
+    knows one already keeps its own entry)."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.integrations import ggml
+
+    for arch, like in _GGUF_READ_AS.items():
+        if arch in reader.GGUF_SUPPORTED_ARCHITECTURES:
+            continue
+        ggml.GGUF_CONFIG_MAPPING[arch] = ggml.GGUF_CONFIG_MAPPING[like]
+        reader.TENSOR_PROCESSORS[arch] = reader.TENSOR_PROCESSORS[like]
+        reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
 
 
 def _gguf_config(gguf: Path):

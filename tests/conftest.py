@@ -100,3 +100,10 @@ def tiny_phi3_dir(tmp_path_factory, bpe_tokenizer) -> Path:
     The folder name must not contain "phi3": llama.cpp then expects Phi-3's own special tokens by name
     (general.name is the folder name), which this small BPE vocabulary lacks."""
     return tiny.save_tiny(tiny.build_model(tiny.phi3_config(), seed=8), bpe_tokenizer, tmp_path_factory.mktemp("tiny_fused"))
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """4-layer SmolLM3: layers 0-2 apply RoPE, layer 3 none (no_rope_layers [1, 1, 1, 0]), tied head."""
+    return tiny.save_tiny(tiny.build_model(tiny.smollm3_config(), seed=9), bpe_tokenizer,
+                          tmp_path_factory.mktemp("tiny_smollm3"))

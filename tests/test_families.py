@@ -20,6 +20,7 @@ NEW_FAMILIES = {
     "tiny_gemma2_dir": ("gemma2", "gemma2"),
     "tiny_gemma3_dir": ("gemma3_text", "gemma3"),
     "tiny_phi3_dir": ("phi3", "phi3"),
+    "tiny_smollm3_dir": ("smollm3", "smollm3"),
 }
 SMALL_YAML = """
 data: {samples: 4, seqlen: 32, eval_samples: 1, eval: builtin}

@@ -106,6 +106,16 @@ def phi3_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
                       rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 
+def smollm3_config(vocab: int = VOCAB, layers: int = 4, hidden: int = 64):
+    """SmolLM3: Llama's layer; 4 layers so the last is a NoPE layer (no_rope_layers [1, 1, 1, 0], as
+    llama.cpp fixes it); a RoPE base small enough that rotation moves the logits; tied head."""
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
 def build_model(config, seed: int = 0, norms: float = 0.0):
     """Random-init causal LM with weights scaled so activations look trained-ish (not all tiny).
     norms > 0: norm scales drawn around their init with that spread (so a wrong norm offset shows)."""

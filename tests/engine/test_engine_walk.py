@@ -205,3 +205,29 @@ def test_each_layer_type_gets_its_own_arguments(fixture, request):
     with torch.no_grad():
         ref = model(ids[:1]).logits[0]
     assert (model_logits(src, ids[0], CPU) - ref).abs().max().item() <= 1e-4
+
+
+def test_nope_layers_walk_as_the_model_runs_them(tiny_smollm3_dir):
+    """SmolLM3's layer 3 applies no RoPE (no_rope_layers [1, 1, 1, 0]): every layer gets the same
+    position embeddings and its attention decides. The walk equals the model's own forward pass at
+    every layer, the engine's logits equal the model's, and the NoPE layer does change the result
+    (the same weights with RoPE on every layer give other hidden states), so the check can fail."""
+    from laco_deploy.engine.forward import model_logits
+
+    model = load_model(str(tiny_smollm3_dir)).model
+    assert model.config.no_rope_layers == [1, 1, 1, 0]
+    ids = _ids(2, seq=40)
+    inputs = capture_layer_inputs(model, ids, CPU)
+    seen = []
+    walk_layers(Lane(model, inputs), None, OPTS, on_layer_done=lambda i, r, s, d: seen.append(s.data.clone()))
+    expected = _hidden_states(model, ids)
+    assert len(seen) == 4
+    for got, want in zip(seen[:-1], expected[:-1]):
+        assert torch.allclose(got, want, atol=1e-5)
+    assert torch.allclose(model.model.norm(seen[-1]), expected[-1], atol=1e-5)
+    with torch.no_grad():
+        ref = model(ids[:1]).logits[0]
+    assert (model_logits(tiny_smollm3_dir, ids[0], CPU) - ref).abs().max().item() <= 1e-4
+    model.model.layers[3].self_attn.use_rope = 1  # the same model, rotating layer 3 too
+    roped = _hidden_states(model, ids)[-1]
+    assert (roped - expected[-1]).abs().max().item() > 1e-3

@@ -166,3 +166,53 @@ def test_phi3_fused_matrices_written_as_llama_cpp_expects(tiny_phi3_dir, tmp_pat
     assert get("phi3.rope.scaling.original_context_length") == 512 and get("phi3.attention.sliding_window") == 0
     assert get("phi3.feed_forward_length") == 128 and get("phi3.rope.dimension_count") == 16
     assert res.checks["parity_top1"] >= 0.9 and res.checks["parity_mean_kl"] <= 1e-3  # q8_0 on near-flat random logits
+
+
+def test_smollm3_llama_tensors_reordered_and_nope_layers_as_llama_cpp_fixes_them(tiny_smollm3_dir, tmp_path):
+    """SmolLM3 -> arch `smollm3`: Llama's tensors and keys, Q/K rows reordered for normal RoPE, tied head
+    dropped; no key for the NoPE layers (llama.cpp fixes every 4th). llama.cpp's logits match HF's so
+    closely that a model rotating layer 3 as well could not pass (its KL is ~1e-4 on this fixture)."""
+    from exporters.gguf_model import permute_rope_rows
+
+    res = _export(tiny_smollm3_dir, tmp_path / "s3.f32.gguf")
+    reader, tensors = _read(res.path)
+    hf = _hf(tiny_smollm3_dir)
+    get = lambda k: reader.get_field(k).contents() if reader.get_field(k) is not None else None  # noqa: E731
+    assert get("general.architecture") == "smollm3"
+    per_block = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+    expected = {"token_embd.weight", "output_norm.weight"} | {f"blk.{i}.{n}.weight" for i in range(4) for n in per_block}
+    assert set(tensors) == expected and expected <= _allowed_names(gguf.MODEL_ARCH.SMOLLM3, 4)
+    for n, heads in (("q", 4), ("k", 2)):  # normal RoPE: rows of each head interleaved, as for Llama
+        w = hf[f"model.layers.3.self_attn.{n}_proj.weight"]
+        assert np.array_equal(np.asarray(tensors[f"blk.3.attn_{n}.weight"].data), permute_rope_rows(w, heads).numpy())
+    assert np.array_equal(np.asarray(tensors["blk.0.attn_v.weight"].data), hf["model.layers.0.self_attn.v_proj.weight"].numpy())
+    assert tensors["blk.2.ffn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert get("smollm3.rope.freq_base") == pytest.approx(1e4) and get("smollm3.rope.dimension_count") == 16
+    assert get("smollm3.attention.head_count") == 4 and get("smollm3.attention.head_count_kv") == 2
+    assert get("smollm3.block_count") == 4 and get("smollm3.feed_forward_length") == 128
+    assert not [k for k in reader.fields if "rope" in k and "layer" in k]  # no NoPE key: llama.cpp reads none
+    assert res.checks["parity_top1"] >= 0.99 and res.checks["parity_mean_kl"] <= 1e-6
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"no_rope_layers": [1, 0, 1, 0]}, r"no_rope_layers \[1, 0, 1, 0\] differ from llama.cpp's fixed"),
+    ({"no_rope_layers": None, "no_rope_layer_interval": 2}, r"no_rope_layers \[1, 0, 1, 0\] differ"),
+    ({"use_sliding_window": True, "sliding_window": 16,
+      "layer_types": ["full_attention", "full_attention", "full_attention", "sliding_attention"]},
+     "has sliding-window layers, which llama.cpp's smollm3 graph does not build"),
+])
+def test_smollm3_settings_llama_cpp_fixes_otherwise_are_refused(tiny_smollm3_dir, tmp_path, change, message):
+    import json
+    import shutil
+
+    from laco_deploy.errors import ExportError
+
+    src = tmp_path / "s3"
+    shutil.copytree(tiny_smollm3_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(change)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=message):
+        _export(src, tmp_path / "x.gguf")
+    assert not (tmp_path / "x.gguf").exists()
