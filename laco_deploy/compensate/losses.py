@@ -42,16 +42,29 @@ def nmse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (err / ref).mean()
 
 
-def cos_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def cos_mse(pred: torch.Tensor, target: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Per-token cosine distance plus MSE scaled by the target's mean square. [b, s, h] x2 -> scalar.
 
     The cosine term fixes each token's direction (what RMSNorm passes on); the MSE term, divided
-    by mean(t^2) so both terms are O(1), pins the magnitude.
+    by mean(t^2) so both terms are O(1), pins the magnitude. `scale` is that mean square when the
+    caller knows it for a larger batch than `target` (a torchrun rank holds part of each batch;
+    see `mean_square`); by default it is `target`'s own.
     """
     p, t = pred.float(), target.float()
     cos = torch.nn.functional.cosine_similarity(p, t, dim=-1, eps=EPS)  # [b, s]
-    scale = t.pow(2).mean().clamp_min(EPS).detach()
-    return (1.0 - cos).mean() + (p - t).pow(2).mean() / scale
+    denom = t.pow(2).mean().clamp_min(EPS).detach() if scale is None else max(scale, EPS)
+    return (1.0 - cos).mean() + (p - t).pow(2).mean() / denom
+
+
+def sample_energy(target: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of each sample, in fp64. [b, s, h] -> [b]. Summed over a batch's samples and
+    divided by its element count it gives cos_mse's scale, whichever process holds the samples."""
+    return target.double().pow(2).sum((1, 2))
+
+
+def mean_square(energy: torch.Tensor, elements_per_sample: int) -> float:
+    """cos_mse's scale of a batch from its samples' `sample_energy` values [b]."""
+    return float(energy.sum()) / (len(energy) * elements_per_sample)
 
 
 def subblock_loss(pred_mid: torch.Tensor, target_mid: torch.Tensor, pred_out: torch.Tensor,

@@ -74,18 +74,21 @@ def _run_until(ctx: LayerContext, layer: torch.nn.Module, hidden: torch.Tensor, 
 @torch.no_grad()
 def linear_groups(ctx: LayerContext, names: list[str]) -> list[list[str]]:
     """The layer's linears grouped by shared input, in call order (q/k/v, o, gate/up, down for Llama)."""
-    seen: list[tuple[int, str]] = []
+    # the inputs themselves are kept until grouped: a freed input's memory can be reused by a later
+    # one (e.g. the post-attention norm's output at the address of the input norm's), which
+    # would merge gate/up into the q/k/v group, and differently in each process
+    seen: list[tuple[torch.Tensor, str]] = []
     handles = [ctx.layer.get_submodule(n).register_forward_pre_hook(
-        lambda _m, args, n=n: seen.append((args[0].data_ptr(), n))) for n in names]
+        lambda _m, args, n=n: seen.append((args[0], n))) for n in names]
     try:
         ctx.forward(ctx.layer, ctx.inputs.batch(0, 1, ctx.device))
     finally:
         for h in handles:
             h.remove()
     groups: dict[int, list[str]] = {}
-    for ptr, name in seen:
-        if name not in groups.setdefault(ptr, []):
-            groups[ptr].append(name)
+    for x, name in seen:
+        if name not in groups.setdefault(x.data_ptr(), []):
+            groups[x.data_ptr()].append(name)
     return list(groups.values())
 
 

@@ -11,8 +11,9 @@ than it came on held-out data.
 In a torchrun job each rank holds a contiguous shard of the samples (`LayerData.shard`); batches
 are drawn from the global sample order as in one process, every rank computes the part of each
 batch it holds, weighted by its share of the batch, and the gradients are summed over ranks
-before each update, so all ranks apply the same update. The losses are means over tokens, so
-this equals the one-process gradient up to the order of the float sums.
+before each update, so all ranks apply the same update. The losses are means over tokens, and
+cos_mse's scale is the whole batch's (from per-sample sums added over ranks), so this equals the
+one-process gradient up to the order of the float sums.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class LayerTrainer:
         self.sample_flops = 0.0  # training FLOPs per sample (forward + backward), counted on the first step
         self.samples_seen = 0
         self.anchor: list[torch.Tensor] | None = None  # starting weights, for cfg.anchor_decay
+        self.energy = self._target_energy()  # [samples] fp64, cos_mse only
 
     def _local(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Cache rows of the global samples `idx` held by this rank, and which of `idx` they are
@@ -138,6 +140,25 @@ class LayerTrainer:
         if shard is None or shard.whole:
             return idx, None
         return shard.local(idx), shard.owned(idx)
+
+    def _target_energy(self) -> torch.Tensor | None:
+        """cos_mse: every global sample's sum of squared targets (losses.sample_energy), summed over
+        ranks, so a batch's scale is its whole mean square even where a rank holds part of it."""
+        if self.cfg.loss != "cos_mse":
+            return None
+        shard, targets = self.data.shard, self.data.targets.data  # [local samples, seq, hidden]
+        start, total = (shard.start, shard.total) if shard is not None else (0, len(targets))
+        energy = torch.zeros(total, dtype=torch.float64)
+        for i in range(0, len(targets), self.cfg.batch_size):
+            part = targets[i:i + self.cfg.batch_size]
+            energy[start + i:start + i + len(part)] = losses.sample_energy(part)
+        return distributed.all_reduce_(energy)
+
+    def _scale(self, idx: torch.Tensor) -> float | None:
+        """cos_mse's scale for the global samples `idx` (None for the other losses)."""
+        if self.energy is None:
+            return None
+        return losses.mean_square(self.energy[idx], math.prod(self.data.targets.shape[1:]))
 
     def _batch(self, idx: torch.Tensor, mix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, targets (and mid targets) of the cache rows `idx`; rows where `mix` is True take
@@ -151,12 +172,17 @@ class LayerTrainer:
         m = d.mid_targets.data[idx].to(dev, non_blocking=True) if self.subblock else None
         return x, t, m
 
-    def _loss(self, x, t, m) -> torch.Tensor:
-        with autocast_ctx(self.device):
-            out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
+    def _objective(self, out, mid, t, m, scale: float | None) -> torch.Tensor:
         if self.subblock:
             return losses.subblock_loss(mid, m, out, t)
+        if scale is not None:
+            return losses.cos_mse(out, t, scale)
         return self.loss_fn(out, t)
+
+    def _loss(self, x, t, m, scale: float | None = None) -> torch.Tensor:
+        with autocast_ctx(self.device):
+            out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
+        return self._objective(out, mid, t, m, scale)
 
     @torch.no_grad()
     def evaluate(self, idx: torch.Tensor) -> dict[str, float]:
@@ -164,11 +190,12 @@ class LayerTrainer:
         (each rank scores those it holds; the sums are added over ranks)."""
         sums = {"loss": 0.0, "nmse": 0.0, "mse": 0.0}
         rows, _ = self._local(idx)
+        scale = self._scale(idx)  # cos_mse: one scale for all of idx, however it is split into chunks
         for chunk in rows.split(self.cfg.batch_size) if len(rows) else ():  # split() of nothing gives one empty chunk
             x, t, m = self._batch(chunk)
             with autocast_ctx(self.device):
                 out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
-            loss = losses.subblock_loss(mid, m, out, t) if self.subblock else self.loss_fn(out, t)
+            loss = self._objective(out, mid, t, m, scale)
             w = len(chunk)
             sums["loss"] += float(loss) * w
             sums["nmse"] += float(losses.nmse(out, t)) * w
@@ -192,17 +219,18 @@ class LayerTrainer:
         rows, owned = self._local(chunk)
         if len(rows) == 0:
             return  # this rank holds none of the batch; it sends zero gradients
+        scale = self._scale(chunk)  # cos_mse: the whole batch's, not this rank's part's
         share = 1.0
         if owned is not None:  # the loss is a mean over this rank's rows: weigh it by their share
             mix = mix[owned] if mix is not None else None
             share = len(rows) / len(chunk)
         batch = self._batch(rows, mix)
         if self.working_set is not None:
-            scaler.scale(self._loss(*batch) * share / self.cfg.grad_accum).backward()
+            scaler.scale(self._loss(*batch, scale) * share / self.cfg.grad_accum).backward()
             return
         with FlopCounterMode(display=False) as flops:
             with count_saved(self.resident) as meter:
-                loss = self._loss(*batch)
+                loss = self._loss(*batch, scale)
             scaler.scale(loss * share / self.cfg.grad_accum).backward()
         self.sample_flops = flops.get_total_flops() / len(rows)
         self.working_set = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])

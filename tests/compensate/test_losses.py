@@ -44,6 +44,19 @@ def test_cos_mse_formula_and_zero_at_target():
     assert losses.cos_mse(t, t).abs() < 1e-6
 
 
+def test_cos_mse_split_batch_with_the_whole_batch_scale_equals_the_whole():
+    """What a torchrun rank computes: its rows' cos_mse with the whole batch's scale (from per-sample
+    energies), weighted by its share of the batch; the parts add up to the one-process loss."""
+    p, t = _pair(5)
+    scale = losses.mean_square(losses.sample_energy(t), t[0].numel())
+    assert scale == pytest.approx(float((t.double() ** 2).mean()), rel=1e-12)
+    assert torch.allclose(losses.cos_mse(p, t, scale), losses.cos_mse(p, t), atol=1e-6)
+    parts = sum(losses.cos_mse(p[i:i + 1], t[i:i + 1], scale) * 0.5 for i in range(2))
+    assert torch.allclose(parts, losses.cos_mse(p, t), atol=1e-6)
+    own = sum(losses.cos_mse(p[i:i + 1], t[i:i + 1]) * 0.5 for i in range(2))  # each part's own scale
+    assert not torch.allclose(own, losses.cos_mse(p, t), atol=1e-4)
+
+
 def test_subblock_sums_both_parts():
     p, t = _pair(3)
     q, u = _pair(4)

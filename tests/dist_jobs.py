@@ -1,0 +1,97 @@
+"""What tests/test_distributed.py runs inside torchrun processes (and in-process, for the 1-process side).
+
+    python -m torch.distributed.run ... tests/dist_jobs.py options MODEL SPARSE CALIB OUT NAME,NAME,...
+    python -m torch.distributed.run ... tests/dist_jobs.py fail-at-layer-1 CLI-ARGS...
+    python -m torch.distributed.run ... tests/dist_jobs.py count-training CLI-ARGS...
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# LaCo settings whose rank invariance test_laco_options_two_ranks_like_one checks, each on top of
+# BASE. lsq's damping is strong enough that the tiny model keeps the refit (the test checks it).
+BASE = {"samples": 8, "epochs": 2, "batch_size": 3, "lr": 1e-3, "val_fraction": 0.25}
+OPTIONS = {
+    "cos_mse": {"loss": "cos_mse"},
+    "subblock_norms": {"loss": "subblock", "train_norms": True},
+    "anchor_mix_accum": {"anchor_decay": 50.0, "dense_input_mix": 0.5, "grad_accum": 2},
+    "quant_aware": {"quant_aware": "q8_0"},
+    "lsq": {"init": "lsq", "lsq_damp": 10.0, "lsq_token_weight": "nmse"},
+    "lowrank": {"trainable": "lowrank"},
+}
+DATA = {"samples": 8, "seqlen": 32, "seed": 0}
+MARK = "dist_jobs: trained layer"
+
+
+def compensate_options(model: Path, sparse: Path, calib: Path, out: Path, names: list[str]) -> dict[str, list[dict]]:
+    """LaCo with each named option set, out/NAME per set; the per-layer records, by name (rank 0 also
+    writes them to out/records.json)."""
+    from laco_deploy import distributed
+    from laco_deploy.compensate import run
+    from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
+
+    records = {}
+    for name in names:
+        res = run(ModelConfig(model=str(model), device="cpu"), DataConfig(calib=str(calib), **DATA),
+                  CompensateConfig(**BASE, **OPTIONS[name]), Path(sparse), Path(out) / name)
+        records[name] = res.per_layer
+    if distributed.is_main():
+        (Path(out) / "records.json").write_text(json.dumps(records, default=str))
+    return records
+
+
+def _fail_at_layer_1() -> None:
+    """The job dies with layer 0's checkpoint on disk and layer 1 trained but not saved: all ranks
+    meet at layer 1's save, then rank 1 stops (Ctrl-C) and rank 0 waits for it until torchrun ends it."""
+    from laco_deploy import distributed
+    from laco_deploy.engine.checkpoint import LayerCheckpoints
+
+    real = LayerCheckpoints.save
+
+    def save(self, i, layer, record):
+        if i == 1:
+            distributed.barrier()
+            if distributed.rank() == 1:
+                raise KeyboardInterrupt
+            distributed.barrier()  # rank 1 never comes
+        return real(self, i, layer, record)
+
+    LayerCheckpoints.save = save
+
+
+def _count_training() -> None:
+    """Print a line to stderr for every layer a rank trains (a restored layer is not trained)."""
+    from laco_deploy import distributed
+    from laco_deploy.compensate.train import LayerTrainer
+
+    real = LayerTrainer.fit
+
+    def fit(self, *args, **kwargs):
+        print(f"{MARK} (seed {self.seed}) on rank {distributed.rank()}", file=sys.stderr, flush=True)
+        return real(self, *args, **kwargs)
+
+    LayerTrainer.fit = fit
+
+
+def main(argv: list[str]) -> None:
+    mode, rest = argv[0], argv[1:]
+    if mode == "options":
+        from laco_deploy import distributed
+
+        distributed.init_from_env()
+        try:
+            compensate_options(*map(Path, rest[:4]), rest[4].split(","))
+        finally:
+            distributed.teardown()
+        return
+    {"fail-at-layer-1": _fail_at_layer_1, "count-training": _count_training}[mode]()
+    from laco_deploy.cli import main as cli_main
+
+    cli_main(rest)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
