@@ -3,6 +3,7 @@
     python -m torch.distributed.run ... tests/dist_jobs.py options MODEL SPARSE CALIB OUT NAME,NAME,...
     python -m torch.distributed.run ... tests/dist_jobs.py fail-at-layer-1 CLI-ARGS...
     python -m torch.distributed.run ... tests/dist_jobs.py count-training CLI-ARGS...
+    python -m torch.distributed.run ... tests/dist_jobs.py build-resume MODEL CALIB OUT
 """
 
 from __future__ import annotations
@@ -76,6 +77,58 @@ def _count_training() -> None:
     LayerTrainer.fit = fit
 
 
+def _build_first_stages(model: Path, calib: Path, out: Path, resume: bool = False):
+    """build's prune and compensate stages, as build() runs them; -> (recipe, recovered model folder)."""
+    from laco_deploy.buildconfig import merge
+    from laco_deploy.pipeline import prepare
+
+    values = {"model": {"model": str(model), "device": "cpu"}, "compensate": {"epochs": 1},
+              "data": {"calib": str(calib), "samples": 6, "seqlen": 32, "eval_samples": 2}}
+    recipe = prepare(merge(values, {"out": str(out), "resume": resume}))
+    src = recipe.sources()
+    return recipe, recipe.compensate(src, recipe.prune(src)).path
+
+
+def build_resume(model: Path, calib: Path, out: Path) -> None:
+    """In one torchrun job: an uninterrupted build (OUT/ref), one stopped on every rank as LaCo
+    reaches layer 1 (OUT/killed), and `--resume` of it. Rank 0 writes OUT/result.json: the folders,
+    the layers each rank trained on resume, and whether prune was reused."""
+    import laco_deploy.compensate.laco as laco
+    from laco_deploy import distributed
+
+    _, reference = _build_first_stages(model, calib, out / "ref")
+    real_make_step = laco.make_step
+
+    def stop_at_layer_1(*args, **kwargs):
+        step = real_make_step(*args, **kwargs)
+
+        def stopping(ctx):
+            if ctx.index == 1:
+                raise KeyboardInterrupt  # every rank at the same point: no collective is left waiting
+            return step(ctx)
+        return stopping
+
+    laco.make_step = stop_at_layer_1
+    try:
+        _build_first_stages(model, calib, out / "killed")
+    except KeyboardInterrupt:
+        pass
+    stages_after_kill = list(json.loads((out / "killed" / "manifest.json").read_text())["stages"])
+    trained: list[int] = []
+
+    def counting(*args, **kwargs):
+        step = real_make_step(*args, **kwargs)
+        return lambda ctx: (trained.append(ctx.index), step(ctx))[1]
+
+    laco.make_step = counting
+    recipe, recovered = _build_first_stages(model, calib, out / "killed", resume=True)
+    per_rank = distributed.gather_all(trained)
+    if distributed.is_main():
+        (out / "result.json").write_text(json.dumps({
+            "reference": str(reference), "recovered": str(recovered), "trained": per_rank,
+            "stages_after_kill": stages_after_kill, "prune_reused": recipe.cache.manifest["stages"]["prune"]["reused"]}))
+
+
 def main(argv: list[str]) -> None:
     mode, rest = argv[0], argv[1:]
     if mode == "options":
@@ -84,6 +137,15 @@ def main(argv: list[str]) -> None:
         distributed.init_from_env()
         try:
             compensate_options(*map(Path, rest[:4]), rest[4].split(","))
+        finally:
+            distributed.teardown()
+        return
+    if mode == "build-resume":
+        from laco_deploy import distributed
+
+        distributed.init_from_env()
+        try:
+            build_resume(*map(Path, rest))
         finally:
             distributed.teardown()
         return

@@ -164,6 +164,19 @@ def test_compensate_resume_under_torchrun_equals_uninterrupted(tiny_llama_dir, p
     assert not ckpt.exists()
 
 
+def test_build_resume_under_torchrun_equals_uninterrupted(tiny_llama_dir, calib, tmp_path):
+    """build's prune and compensate stages in a 2-process job, stopped as LaCo reaches layer 1 and
+    resumed: prune is reused (rank 0's decision), only layer 1 is trained on each rank, and the
+    recovered weights equal those of an uninterrupted 2-process build bit for bit."""
+    run = torchrun(["build-resume", tiny_llama_dir, calib, tmp_path], script=JOBS)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["stages_after_kill"] == ["prune"] and result["prune_reused"]
+    assert result["trained"] == [[1], [1]]
+    ref, got = weights(Path(result["reference"])), weights(Path(result["recovered"]))
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+
+
 @pytest.fixture(scope="module")
 def option_runs(tiny_llama_dir, pruned, calib, tmp_path_factory) -> tuple[Path, dict, dict]:
     """Every option set of dist_jobs.OPTIONS, in this process and in one 2-process job."""
