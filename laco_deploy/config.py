@@ -46,7 +46,7 @@ class ModelConfig:
 class DataConfig:
     """Calibration and evaluation text and how it becomes token samples."""
 
-    calib: str = "builtin"  # builtin | file.txt | file.jsonl | hf:NAME[:CONFIG][:SPLIT]
+    calib: str = "builtin"  # builtin | builtin:mixed | file.txt | file.jsonl | hf:NAME[:CONFIG][:SPLIT]
     # evaluation texts, comma-separated; "domains" = builtin (in-domain Wikipedia) + every shipped
     # out-of-domain text (fiction, techdoc, code), so reports show whether recovery transfers
     eval: str = "domains"

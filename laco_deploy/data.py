@@ -1,9 +1,12 @@
 """Calibration and evaluation text -> fixed-length token samples, deterministically from a seed.
 
 Sources: `builtin` (Wikipedia text shipped in the package, calibration and evaluation disjoint),
-`builtin:DOMAIN` (evaluation-only texts of other domains shipped in data/domains/, never used for
-calibration, so reports show how recovery transfers to text unlike the calibration data), a local `.txt` (documents separated by blank lines) or `.jsonl` (a "text" field per line), and
-`hf:NAME[:CONFIG][:SPLIT]` through `datasets` when online.
+`builtin:mixed` (calibration-only: the builtin Wikipedia calibration articles followed by Python
+standard-library source, data/builtin/calibration_code.jsonl; recovery then transfers better to
+other genres), `builtin:DOMAIN` (evaluation-only texts of other domains shipped in data/domains/,
+never used for calibration, so reports show how recovery transfers to text unlike the calibration
+data), a local `.txt` (documents separated by blank lines) or `.jsonl` (a "text" field per line),
+and `hf:NAME[:CONFIG][:SPLIT]` through `datasets` when online.
 """
 
 from __future__ import annotations
@@ -24,10 +27,28 @@ BUILTIN = "builtin"
 ALL_DOMAINS = "domains"  # evaluation spec: builtin (in-domain) plus every shipped out-of-domain text
 IN_DOMAIN_LABEL = "wikipedia"  # what `builtin` evaluation text is, in reports
 _BUILTIN_FILES = {"calib": "calibration.txt", "eval": "evaluation.txt"}
+# calibration-only builtin mixes: name -> files read in order (the Wikipedia calibration articles first)
+CALIB_MIXES = {"mixed": ("calibration.txt", "calibration_code.jsonl")}
 
 
 def builtin_path(role: str) -> Path:
-    return Path(str(resources.files("laco_deploy").joinpath("data", "builtin", _BUILTIN_FILES[role])))
+    return _builtin_file(_BUILTIN_FILES[role])
+
+
+def _builtin_file(name: str) -> Path:
+    return Path(str(resources.files("laco_deploy").joinpath("data", "builtin", name)))
+
+
+def builtin_files(spec: str, role: str) -> list[Path]:
+    """The shipped files a builtin spec reads (for fingerprints); [] when `spec` is not builtin."""
+    if spec == BUILTIN:
+        return [builtin_path(role)]
+    name = spec.split(":", 1)[1] if spec.startswith(BUILTIN + ":") else None
+    if name in CALIB_MIXES:
+        return [_builtin_file(f) for f in CALIB_MIXES[name]]
+    if name in shipped_domains():
+        return [_domains_dir() / f"{name}.jsonl"]
+    return []
 
 
 def _domains_dir() -> Path:
@@ -75,12 +96,27 @@ def eval_domains(spec: str = ALL_DOMAINS) -> list[tuple[str, str]]:
 
 def _read_domain(spec: str, role: str) -> list[str]:
     name = spec.split(":", 1)[1]
+    if name in CALIB_MIXES:
+        return _read_mix(spec, name, role)
+    mixes = ", ".join(f"builtin:{m}" for m in CALIB_MIXES)
+    if name not in shipped_domains():
+        raise DataError(f"no builtin text {name!r}; evaluation domains: {', '.join(shipped_domains()) or '(none shipped)'}; "
+                        f"calibration: builtin, {mixes}")
     if role != "eval":
         raise DataError(f"{spec} is an evaluation-only text (it measures transfer to unseen domains); "
-                        "calibrate on builtin, a .txt/.jsonl file or hf:NAME")
-    if name not in shipped_domains():
-        raise DataError(f"no builtin evaluation domain {name!r}; choose from {', '.join(shipped_domains()) or '(none shipped)'}")
+                        f"calibrate on builtin, {mixes}, a .txt/.jsonl file or hf:NAME")
     return _read_jsonl(_domains_dir() / f"{name}.jsonl")  # JSON Lines: code and docs keep their blank lines
+
+
+def _read_mix(spec: str, name: str, role: str) -> list[str]:
+    # a mix holds the builtin calibration articles: scoring on it would measure the training text
+    if role != "calib":
+        raise DataError(f"{spec} is a calibration-only text (it holds the builtin calibration articles); "
+                        "evaluate on builtin, domains, builtin:DOMAIN, a file or hf:NAME")
+    docs: list[str] = []
+    for path in builtin_files(spec, role):
+        docs += _read_jsonl(path) if path.suffix == ".jsonl" else _read_txt(path)
+    return docs
 
 
 def load_texts(spec: str, role: str = "calib") -> list[str]:

@@ -23,10 +23,10 @@ STAGES = ("prune", "compensate", "export", "fidelity", "bench")
 
 
 def data_fingerprint(spec: str, role: str) -> str:
-    from laco_deploy.data import builtin_path
+    from laco_deploy.data import builtin_files
 
-    if spec == "builtin":
-        return sha256_tree(builtin_path(role))
+    if files := builtin_files(spec, role):
+        return ":".join(sha256_tree(f) for f in files)
     path = Path(spec).expanduser()
     return sha256_tree(path) if path.exists() else f"spec:{spec}"
 

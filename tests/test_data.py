@@ -89,3 +89,42 @@ def test_hf_dataset_offline(monkeypatch):
         load_texts("hf:wikitext:wikitext-2-raw-v1:test")
     with pytest.raises(DataError, match="expected hf:NAME"):
         load_texts("hf:")
+
+
+def test_builtin_mixed_is_wikipedia_then_python_and_never_evaluation():
+    from laco_deploy.data import builtin_files, shipped_domains
+
+    mixed, wiki = load_texts("builtin:mixed", "calib"), load_texts("builtin", "calib")
+    code_half = mixed[len(wiki):]
+    assert mixed[: len(wiki)] == wiki and len(code_half) == 36
+    # about half of the characters each (what benchmarks/RESULTS.md measured)
+    assert 0.4 < sum(map(len, code_half)) / sum(map(len, mixed)) < 0.6
+    # no calibration document is evaluation text, and the stdlib modules differ from the code domain's
+    evaluation = set(load_texts("builtin", "eval"))
+    for name in shipped_domains():
+        evaluation |= set(load_texts(f"builtin:{name}", "eval"))
+    assert not set(mixed) & evaluation
+    shipped = builtin_files("builtin:mixed", "calib")[-1]
+    calib_sources = {json.loads(line)["source"] for line in shipped.read_text(encoding="utf-8").splitlines()}
+    code_domain = builtin_files("builtin:code", "eval")[0]
+    eval_sources = {json.loads(line)["source"] for line in code_domain.read_text(encoding="utf-8").splitlines()}
+    assert len(calib_sources) == 36 and len(eval_sources) == 18 and not calib_sources & eval_sources
+    with pytest.raises(DataError, match="builtin:mixed is a calibration-only text"):
+        load_texts("builtin:mixed", "eval")
+    attribution = (shipped.parent / "ATTRIBUTION.md").read_text()
+    assert "calibration_code.jsonl" in attribution and "LICENSE-PSF.txt" in attribution
+
+
+def test_builtin_mixed_samples_draw_from_both_halves(bpe_tokenizer):
+    ids = calibration_samples(bpe_tokenizer, "builtin:mixed", 64, 32, seed=0)
+    text = [bpe_tokenizer.decode(row) for row in ids]
+    # Python source shows keywords/indentation the Wikipedia articles lack
+    code_like = sum(("def " in t or "self." in t or "    " in t) for t in text)
+    assert ids.shape == (64, 32) and 10 < code_like < 54
+
+
+def test_builtin_mixed_reuse_key_hashes_both_files():
+    from laco_deploy.pipeline_stages import data_fingerprint
+
+    mixed, wiki = data_fingerprint("builtin:mixed", "calib"), data_fingerprint("builtin", "calib")
+    assert mixed.startswith(wiki + ":") and len(mixed) == 2 * len(wiki) + 1

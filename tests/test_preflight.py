@@ -72,6 +72,7 @@ BUILD_CASES = {
     "bad jsonl": (["--calib", "BADJSONL"], 'has no string "text" field'),
     "empty evaluation": (["--eval", "builtin,EMPTY"], "holds no text"),
     "evaluation-only domain as calibration": (["--calib", "builtin:fiction"], "evaluation-only text"),
+    "calibration mix as evaluation": (["--eval", "builtin:mixed"], "calibration-only text"),
     # (a mistyped task name is found the same way, but only after lm-eval indexes its ~10k tasks: 20-40 s)
     "missing task file": (["--tasks", "no_such_task.yaml"], "task file no_such_task.yaml not found"),
 }

@@ -135,9 +135,9 @@ def techdoc_docs(lib: Path) -> list[dict]:
 # --- code --------------------------------------------------------------------------------------
 
 
-def code_docs(lib: Path) -> list[dict]:
+def code_docs(lib: Path, modules: tuple[str, ...] = CODE_MODULES) -> list[dict]:
     """Each module's source whole and unchanged (trailing newline aside), one document per file."""
-    return [{"text": (lib / m).read_text(encoding="utf-8").strip(), "source": f"Lib/{m}"} for m in CODE_MODULES]
+    return [{"text": (lib / m).read_text(encoding="utf-8").strip(), "source": f"Lib/{m}"} for m in modules]
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -149,19 +149,24 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _write_jsonl(name: str, docs: list[dict]) -> None:
+def _write_jsonl(name: str, docs: list[dict], out: Path = OUT) -> None:
     # ensure_ascii=False keeps the file readable; json still escapes control characters, so a
     # document never spans two lines
     data = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode("utf-8")
-    _write_atomic(OUT / name, data)
+    _write_atomic(out / name, data)
     chars = sum(len(d["text"]) for d in docs)
     print(f"{name}: {len(docs)} documents, {chars} chars, sha256 {hashlib.sha256(data).hexdigest()[:16]}")
 
 
-def main(sdist: str, lib_dir: str | None = None) -> None:
-    lib = Path(lib_dir or sysconfig.get_paths()["stdlib"])
+def stdlib_dir(lib_dir: str | None) -> Path:
+    """CPython 3.11.7's Lib/: the given folder, else the running interpreter's (which must be 3.11.7)."""
     if lib_dir is None and sys.version.split()[0] != CPYTHON:
         sys.exit(f"running Python {sys.version.split()[0]}; run with CPython {CPYTHON} or pass its Lib/ folder")
+    return Path(lib_dir or sysconfig.get_paths()["stdlib"])
+
+
+def main(sdist: str, lib_dir: str | None = None) -> None:
+    lib = stdlib_dir(lib_dir)
     OUT.mkdir(parents=True, exist_ok=True)
     _write_jsonl("fiction.jsonl", fiction_docs(sdist))
     _write_jsonl("techdoc.jsonl", techdoc_docs(lib))

@@ -65,7 +65,7 @@ def training_throughput(records: list[dict], lora_record: dict | None, reference
 
 def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, before: dict, after: dict,
                   records: list[dict], lora_record: dict | None, meter, wall: float, device,
-                  reference_gflops: float = 0.0) -> ModelDirResult:
+                  reference_gflops: float = 0.0, data: dict | None = None) -> ModelDirResult:
     mem = memory_summary(records, lora_record, meter, device)
     speed = training_throughput(records, lora_record, reference_gflops)
     notes = [budget.note]
@@ -91,6 +91,8 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
     settings = {"compensate": to_dict(cfg), "budget": {"samples": budget.samples, "seqlen": budget.seqlen,
                 "epochs": budget.epochs, "source": budget.source}, "memory": mem,
                 "sparsity_before": before["sparsity"], "device": str(device), "throughput": speed}
+    if data is not None:  # which text calibrated the model (builtin, builtin:mixed, a file)
+        settings["data"] = data
     if lora_record:
         settings["lora"] = lora_record
     return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info.get("pattern"), info.get("target_sparsity", info.get("sparsity"))),

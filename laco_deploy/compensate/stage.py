@@ -153,4 +153,4 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
     return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,
-                         reference_gflops)
+                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed})

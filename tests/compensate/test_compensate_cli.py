@@ -53,3 +53,11 @@ def test_cpu_default_budget_is_small_and_said(cli, tiny_llama_dir, sparse_24_dir
     assert f"small CPU budget: {CompensateConfig.cpu_samples} x 128 tokens" in out.replace("\n", " ")
     rec_cfg = json.loads((tmp_path / "o" / "config.json").read_text())["laco_deploy"]
     assert rec_cfg["samples"] == CompensateConfig.cpu_samples and rec_cfg["seqlen"] == 128 and rec_cfg["pattern"] == "2:4"
+
+
+def test_cli_calibrates_on_builtin_mixed(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    code, _out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_unstructured_dir,
+                          "--out", tmp_path / "o", "--calib", "builtin:mixed", "--samples", 4, "--seqlen", 32,
+                          "--epochs", 1, "--json", tmp_path / "r.json")
+    assert code == 0, err
+    assert json.loads((tmp_path / "r.json").read_text())["settings"]["data"]["calib"] == "builtin:mixed"

@@ -220,5 +220,5 @@ def test_domain_texts_are_never_calibration():
 
     with pytest.raises(DataError, match="evaluation-only"):
         load_texts("builtin:fiction", "calib")
-    with pytest.raises(DataError, match="no builtin evaluation domain 'poetry'"):
+    with pytest.raises(DataError, match="no builtin text 'poetry'"):
         load_texts("builtin:poetry", "eval")

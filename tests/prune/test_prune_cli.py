@@ -51,3 +51,11 @@ def test_prune_cli_short_calibration(cli, tiny_llama_dir, tmp_path):
     code, _out, err = cli("prune", "--model", tiny_llama_dir, "--calib", short, "--seqlen", 64, "--out", tmp_path / "x")
     assert code == 2
     assert "fewer than one sample of --seqlen 64" in " ".join(err.split())
+
+
+def test_prune_cli_calibrates_on_builtin_mixed(cli, tiny_llama_dir, tmp_path):
+    out = tmp_path / "mixed"
+    code, _out, err = cli("prune", "--model", tiny_llama_dir, "--calib", "builtin:mixed", "--samples", 4,
+                          "--seqlen", 32, "--out", out, "--device", "cpu")
+    assert code == 0, err
+    assert "builtin:mixed" in (out / "sparsity.json").read_text() + (out / "config.json").read_text()
