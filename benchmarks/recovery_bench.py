@@ -7,11 +7,16 @@ and the shipped fiction, technical-documentation and code texts (out-of-domain, 
 on), the same windows for every model; the wall time, training throughput and memory of each
 recovery (peak RSS growth and the device working set); and checks that every recovered model
 keeps the pruned model's sparsity. `--curve 8,16,...` adds the data-efficiency curve: LaCo and
-LoRA at each calibration size, one table and one plot (recovery.png next to the JSON). Each
+LoRA at each calibration size, one table and one plot (recovery.png next to the JSON).
+`--tasks laco_lastword` adds zero-shot accuracy (lm-evaluation-harness through the package's
+fidelity.zeroshot path, with standard errors) of the dense, pruned, LaCo and LoRA models;
+`--extra-calib builtin:mixed` one more LaCo row calibrated on that text. Tables go to the Markdown
+file next to the JSON (recovery.md); perplexities and zero-shot scores are cached in --workdir. Each
 recovery runs in its own process through the CLI (`laco-deploy compensate --json`), so memory and
 time are not polluted by earlier runs; finished recoveries are reused unless --fresh.
 
-    python benchmarks/recovery_bench.py --out benchmarks/results/recovery.json --curve 8,16,32,64,128,256
+    python benchmarks/recovery_bench.py --out benchmarks/results/recovery.json --curve 8,16,32,64,128,256 \
+        --tasks laco_lastword
 
 Recoveries train on 64 samples x 256 tokens by default (LaCo 1/4: 16), Wanda calibrates on
 64 x 256, perplexity is scored on 16 windows of 256 tokens per domain; LaCo and LoRA use the same
@@ -21,9 +26,11 @@ batch size and epochs (CompensateConfig defaults).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -34,7 +41,7 @@ import torch
 from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig, PruneConfig
 from laco_deploy.data import eval_domains, evaluation_windows
 from laco_deploy.fidelity.metrics import next_token_nll
-from laco_deploy.fsutil import write_json
+from laco_deploy.fsutil import write_json, write_text
 from laco_deploy.models import load_model
 
 log = logging.getLogger("recovery_bench")
@@ -60,6 +67,53 @@ def perplexity(model_dir: str, windows: torch.Tensor | dict[str, torch.Tensor], 
         out[domain] = math.exp(total / count)
     del model
     return out["_"] if single else out
+
+
+def _model_key(model_dir: str) -> str:
+    from laco_deploy.fsutil import sha256_tree
+
+    path = Path(model_dir)
+    return sha256_tree(path) if path.is_dir() else model_dir
+
+
+def _cached(workdir: Path, name: str, key: str, compute):
+    """compute() remembered in workdir/NAME.json under `key`, so that a rerun (e.g. adding --tasks)
+    does not score every model again."""
+    cache_file = workdir / f"{name}.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    if key not in cache:
+        cache[key] = compute()
+        write_json(cache_file, cache)
+    return cache[key]
+
+
+def cached_perplexity(model_dir: str, windows: dict[str, torch.Tensor], workdir: Path) -> dict[str, float]:
+    """perplexity() of a model dir (or "default"), cached per (model files, windows)."""
+    h = hashlib.sha256()
+    for d, w in windows.items():
+        h.update(d.encode() + w.numpy().tobytes())
+    return _cached(workdir, "ppl-cache", f"{_model_key(model_dir)}:{h.hexdigest()[:16]}",
+                   lambda: perplexity(model_dir, windows))
+
+
+def zeroshot(model_dir: str, args) -> dict:
+    """The --tasks through the package's lm-evaluation-harness path (fidelity.zeroshot), one model,
+    cached per (model files, task files and data, limit): {"tasks": {task: {metrics, n}}, "mean": ...}."""
+    from laco_deploy.config import FidelityConfig
+    from laco_deploy.fidelity import tasks as T
+    from laco_deploy.fidelity import zeroshot as Z
+
+    specs = T.parse_task_list([args.tasks])
+    key = f"{_model_key(model_dir)}:{T.tasks_fingerprint(specs)[:16]}:{args.task_limit}"
+
+    def compute() -> dict:
+        cfg = FidelityConfig(tasks=specs, task_limit=args.task_limit)
+        tokenizer = load_model("default").tokenizer  # the dense model's, for every model (as fidelity does)
+        zs = Z.evaluate_models(T.load_tasks(specs), cfg, tokenizer, {"m": lambda: load_model(model_dir).model})
+        return {"tasks": zs["models"]["m"]["tasks"], "mean": zs["models"]["m"]["mean"], "task_info": zs["tasks"],
+                "wall_s": round(zs["models"]["m"]["wall_s"], 1), "lm_eval": zs["versions"]["lm_eval"]}
+
+    return _cached(Path(args.workdir), "zeroshot-cache", key, compute)
 
 
 def domain_windows(tokenizer, per_domain: int, seqlen: int) -> dict[str, torch.Tensor]:
@@ -118,23 +172,32 @@ def bench_pattern(label: str, args, windows: dict[str, torch.Tensor], dense_ppl:
     workdir = Path(args.workdir)
     sparse = ensure_pruned(label, workdir, args.prune_samples, args.prune_seqlen)
     pruned_sparsity = json.loads((sparse / "config.json").read_text())["laco_deploy"]["sparsity"]
-    pruned_ppl = perplexity(str(sparse), windows)
+    pruned_ppl = cached_perplexity(str(sparse), windows, workdir)
     rows = [_row("dense", "-", dense_ppl, dense_ppl, pruned_ppl, None, pruned_sparsity),
             _row("pruned (Wanda)", args.prune_samples, pruned_ppl, dense_ppl, pruned_ppl, None, pruned_sparsity)]
-    runs = [("LaCo", "laco", args.samples), ("LoRA", "lora", args.samples),
-            ("LaCo 1/4 budget", "laco", max(1, args.samples // 4))]
-    for name, method, n in runs:
-        res, ppl = _recover_and_score(label, method, n, sparse, args, windows)
+    runs = [("LaCo", "laco", args.samples, None), ("LoRA", "lora", args.samples, None),
+            ("LaCo 1/4 budget", "laco", max(1, args.samples // 4), None)]
+    if args.extra_calib:
+        runs.append((f"LaCo, {args.extra_calib}", "laco", args.samples, args.extra_calib))
+    dirs = {"dense": "default", "pruned (Wanda)": str(sparse)}
+    for name, method, n, calib in runs:
+        res, ppl, dirs[name] = _recover_and_score(label, method, n, sparse, args, windows, calib)
         rows.append(_row(name, n, ppl, dense_ppl, pruned_ppl, res, pruned_sparsity))
         rows[-1]["notes"] = res["notes"]
+    if args.tasks:  # zero-shot on the models the issue compares: not the 1/4 budget
+        for row in rows:
+            if row["model"] != "LaCo 1/4 budget":
+                row["zeroshot"] = zeroshot(dirs[row["model"]], args)
     return {"pattern": label, "pruned_sparsity": pruned_sparsity, "rows": rows,
             "dense_ppl": dense_ppl, "pruned_ppl": pruned_ppl, "sparse_dir": str(sparse)}
 
 
-def _recover_and_score(label: str, method: str, n: int, sparse: Path, args, windows) -> tuple[dict, dict]:
-    out = Path(args.workdir) / f"{label.replace(':', 'of')}-{method}-{n}"
-    res = recover(method, sparse, out, n, args)
-    return res, perplexity(str(out), windows)
+def _recover_and_score(label: str, method: str, n: int, sparse: Path, args, windows,
+                       calib: str | None = None) -> tuple[dict, dict, str]:
+    tag = "" if calib is None else "-calib-" + "".join(c if c.isalnum() else "_" for c in calib)
+    out = Path(args.workdir) / f"{label.replace(':', 'of')}-{method}-{n}{tag}"
+    res = recover(method, sparse, out, n, args, ["--calib", calib] if calib else None)
+    return res, cached_perplexity(str(out), windows, Path(args.workdir)), str(out)
 
 
 def data_efficiency(result: dict, sizes: list[int], args, windows) -> list[dict]:
@@ -143,15 +206,15 @@ def data_efficiency(result: dict, sizes: list[int], args, windows) -> list[dict]
     sparse = Path(result["sparse_dir"])
     for n in sizes:
         for method in ("laco", "lora"):
-            res, ppl = _recover_and_score(result["pattern"], method, n, sparse, args, windows)
+            res, ppl, _ = _recover_and_score(result["pattern"], method, n, sparse, args, windows)
             rows.append(_row(f"{'LaCo' if method == 'laco' else 'LoRA'}", n, ppl, result["dense_ppl"], result["pruned_ppl"],
                              res, result["pruned_sparsity"]))
     return rows
 
 
-def _ood_mean(row: dict, in_domain: str) -> float | None:
-    vals = [v for d, v in row["gap_closed"].items() if d != in_domain and v is not None]
-    return sum(vals) / len(vals) if vals else None
+def _ood_ppl(row: dict, in_domain: str) -> float:
+    vals = [v for d, v in row["ppl"].items() if d != in_domain]
+    return sum(vals) / len(vals)
 
 
 def goals(results: list[dict], in_domain: str) -> list[str]:
@@ -171,6 +234,8 @@ def goals(results: list[dict], in_domain: str) -> list[str]:
         lines.append(f"[{r['pattern']}] device working set LoRA/LaCo = {ws_ratio:.1f}x (paper: ~7x)")
         ok = all(row.get("sparsity_equal", True) for row in r["rows"] + r.get("curve", []))
         lines.append(f"[{r['pattern']}] recovered sparsity equals pruned sparsity ({r['pruned_sparsity']}): {'yes' if ok else 'NO'}")
+        if (zs := zeroshot_goal(r)) is not None:
+            lines.append(zs)
         curve = r.get("curve") or []
         if curve:
             full = max(row["samples"] for row in curve)
@@ -178,25 +243,71 @@ def goals(results: list[dict], in_domain: str) -> list[str]:
             eighth = [row for row in curve if row["model"] == "LaCo" and row["samples"] == full // 8]
             if eighth:
                 gap = eighth[0]["ppl"][in_domain] - lora_full["ppl"][in_domain]
+                ood = [_ood_ppl(row, in_domain) for row in (eighth[0], lora_full)]
                 lines.append(f"[{r['pattern']}] LaCo at {full // 8} samples (1/8) vs LoRA at {full}: in-domain ppl "
                              f"{eighth[0]['ppl'][in_domain]:.2f} vs {lora_full['ppl'][in_domain]:.2f} "
-                             f"({'met' if gap <= 0 else f'NOT met, {gap:+.2f} ppl'})")
+                             f"({'met' if gap <= 0 else f'NOT met, {gap:+.2f} ppl'}); out-of-domain mean ppl "
+                             f"{ood[0]:.2f} vs {ood[1]:.2f} ({'met' if ood[0] <= ood[1] else 'NOT met'})")
     return lines
 
 
 def table(results: list[dict], key: str = "rows") -> str:
+    """Markdown: perplexity (gap closed) per domain and each recovery's cost, one row per model."""
     domains = list(results[0]["rows"][0]["ppl"])
-    head = f"{'pattern':<13}{'model':<17}{'samples':>8}" + "".join(f"{d[:16]:>18}" for d in domains) + \
-        f"{'wall s':>8}{'RSS +MiB':>10}{'dev WS MiB':>11}{'GFLOP/s':>9}"
-    lines = [head, "-" * len(head)]
+    lines = ["| pattern | model | samples | " + " | ".join(domains) + " | wall s | RSS +MiB | dev WS MiB | GFLOP/s |",
+             "|---|---|---:|" + "---:|" * (len(domains) + 4)]
     for r in results:
         for row in r.get(key, []):
-            cells = "".join(f"{row['ppl'][d]:>10.2f}" + (f" ({row['gap_closed'][d]:>4.0%})" if row['gap_closed'][d] is not None
-                                                           and row["model"] != "dense" else " " * 7) + " " for d in domains)
-            extra = (f"{row['wall_s']:>8.0f}{row['peak_rss_delta_mib']:>10.0f}{row['device_ws_mib']:>11.1f}"
-                     f"{(row.get('throughput') or {}).get('achieved_gflops', 0):>9.1f}" if "wall_s" in row else "")
-            lines.append(f"{r['pattern']:<13}{row['model']:<17}{str(row['samples']):>8}{cells}{extra}")
+            cells = [f"{row['ppl'][d]:.2f}" + (f" ({row['gap_closed'][d]:.0%})" if row["gap_closed"][d] is not None
+                                                and row["model"] != "dense" else "") for d in domains]
+            cost = ([f"{row['wall_s']:.0f}", f"{row['peak_rss_delta_mib']:.0f}", f"{row['device_ws_mib']:.1f}",
+                     f"{(row.get('throughput') or {}).get('achieved_gflops', 0):.1f}"] if "wall_s" in row else [""] * 4)
+            lines.append(f"| {r['pattern']} | {row['model']} | {row['samples']} | " + " | ".join(cells + cost) + " |")
     return "\n".join(lines)
+
+
+def _pct(m: dict | None) -> str:
+    if not m:
+        return "-"
+    return f"{100 * m['value']:.1f}" + (f" ± {100 * m['stderr']:.1f}" if m.get("stderr") is not None else "")
+
+
+def zeroshot_table(results: list[dict]) -> str:
+    """Markdown: each task's accuracy (± standard error, percent) and target perplexity per model."""
+    scored = [(r, row) for r in results for row in r["rows"] if "zeroshot" in row]
+    if not scored:
+        return ""
+    tasks = list(scored[0][1]["zeroshot"]["tasks"])
+    multi = len(tasks) > 1
+    head = [f"{t} acc %" for t in tasks] + [f"{t} ppl" for t in tasks
+                                            if "perplexity" in scored[0][1]["zeroshot"]["tasks"][t]["metrics"]]
+    lines = ["| pattern | model | samples | " + " | ".join(head + (["mean acc %"] if multi else [])) + " |",
+             "|---|---|---:|" + "---:|" * (len(head) + multi)]
+    for r, row in scored:
+        zs = row["zeroshot"]
+        cells = [_pct(zs["tasks"][t]["metrics"].get("acc")) for t in tasks]
+        cells += [f"{zs['tasks'][t]['metrics']['perplexity']['value']:.2f}" for t in tasks
+                  if "perplexity" in zs["tasks"][t]["metrics"]]
+        if multi:
+            cells.append(_pct(zs["mean"].get("acc")))
+        lines.append(f"| {r['pattern']} | {row['model']} | {row['samples']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def zeroshot_goal(r: dict) -> str | None:
+    """Issue 15: LaCo's mean accuracy above the pruned model's and at least LoRA's (same data)."""
+    by = {row["model"]: row["zeroshot"]["mean"]["acc"] for row in r["rows"] if "zeroshot" in row}
+    if not {"LaCo", "LoRA", "pruned (Wanda)"} <= set(by):
+        return None
+    laco, lora, pruned = by["LaCo"], by["LoRA"], by["pruned (Wanda)"]
+
+    def diff(a: dict, b: dict) -> str:  # independent-sample standard error of a difference: a rough guide
+        se = math.hypot(a["stderr"] or 0, b["stderr"] or 0)
+        return f"{100 * (a['value'] - b['value']):+.1f} ± {100 * se:.1f} points"
+
+    return (f"[{r['pattern']}] zero-shot mean acc LaCo {_pct(laco)} vs pruned {_pct(pruned)} ({diff(laco, pruned)}): "
+            f"{'met' if laco['value'] > pruned['value'] else 'NOT met'}; vs LoRA {_pct(lora)} ({diff(laco, lora)}): "
+            f"{'met' if laco['value'] >= lora['value'] else 'NOT met'}")
 
 
 def curve_plot(results: list[dict], in_domain: str, path: Path) -> None:
@@ -215,7 +326,7 @@ def curve_plot(results: list[dict], in_domain: str, path: Path) -> None:
             rows = sorted((row for row in r["curve"] if row["model"] == method), key=lambda row: row["samples"])
             xs = [row["samples"] for row in rows]
             ax.plot(xs, [row["ppl"][in_domain] for row in rows], "o-", color=color, label=f"{method} {in_domain} (in)")
-            ood = [sum(v for d, v in row["ppl"].items() if d != in_domain) / (len(row["ppl"]) - 1) for row in rows]
+            ood = [_ood_ppl(row, in_domain) for row in rows]
             ax.plot(xs, ood, "s--", color=color, label=f"{method} out-of-domain mean")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("calibration samples")
@@ -240,15 +351,22 @@ def main() -> None:
     ap.add_argument("--eval-seqlen", type=int, default=256)
     ap.add_argument("--patterns", default="unstructured,2:4")
     ap.add_argument("--curve", default="", help="data-efficiency curve sizes, e.g. 8,16,32,64,128,256 (empty: no curve)")
+    ap.add_argument("--tasks", default="", help="zero-shot tasks (e.g. laco_lastword) scored on dense, pruned, LaCo and "
+                    "LoRA through lm-evaluation-harness (laco_deploy.fidelity.zeroshot); empty: none")
+    ap.add_argument("--task-limit", type=int, default=None, help="documents per task (default: all)")
+    ap.add_argument("--extra-calib", default="", help="one more LaCo row at --samples calibrated on this text "
+                    "(e.g. builtin:mixed); empty: none")
     ap.add_argument("--fresh", action="store_true", help="rerun recoveries whose results already exist")
     args = ap.parse_args()
+    load_before = os.getloadavg()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.perf_counter()
     dense = load_model("default")
     windows = domain_windows(dense.tokenizer, args.eval_windows, args.eval_seqlen)
     in_domain = next(iter(windows))
     del dense
-    dense_ppl = perplexity("default", windows)
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    dense_ppl = cached_perplexity("default", windows, Path(args.workdir))
     results = [bench_pattern(p, args, windows, dense_ppl) for p in args.patterns.split(",")]
     sizes = [int(x) for x in args.curve.split(",") if x]
     for r in results:
@@ -261,20 +379,28 @@ def main() -> None:
                         "in_domain": in_domain,
                         "prune": f"Wanda, builtin calibration {args.prune_samples} x {args.prune_seqlen}",
                         "calibration": f"builtin, seed 0, {args.samples} x {args.seqlen} tokens (LaCo 1/4: {args.samples // 4})",
+                        "extra_calib": args.extra_calib or None,
+                        "tasks": args.tasks or None, "task_limit": args.task_limit,
                         "curve_sizes": sizes, "epochs": args.epochs,
                         "batch_size": args.batch_size, "device": "cpu", "threads": torch.get_num_threads(),
+                        "load_average_1min": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
                         "laco": {"loss": CompensateConfig.loss, "lr": CompensateConfig.lr, "init": CompensateConfig.init},
                         "lora": {"rank": CompensateConfig.lora_rank, "alpha": CompensateConfig.lora_alpha,
                                  "lr": CompensateConfig.lora_lr}},
            "results": [{k: v for k, v in r.items() if k != "sparse_dir"} for r in results],
            "goals": goals(results, in_domain), "wall_s": round(time.perf_counter() - t0, 1)}
     write_json(args.out, doc)
-    print(table(results))
+    md = [table(results)]
     if sizes:
-        print("\ndata-efficiency curve\n" + table(results, "curve"))
+        md.append("data-efficiency curve\n\n" + table(results, "curve"))
+    if args.tasks:
+        md.append("zero-shot (acc ± standard error, %)\n\n" + zeroshot_table(results))
+    md.append("\n".join(f"- {g}" for g in doc["goals"]))
+    write_text(args.out.with_suffix(".md"), "\n\n".join(md) + "\n")
+    print("\n\n".join(md))
+    if sizes:
         print(f"plot: {plot}")
-    print("\n".join(doc["goals"]))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":
