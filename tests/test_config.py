@@ -37,3 +37,15 @@ def test_export_quant_defaults_per_target():
     assert ExportConfig(target="gguf").resolved_quant == "q8_0"
     assert ExportConfig(target="onnx").resolved_quant == "fp32"
     assert ExportConfig(target="onnx", quant="int8").validate() == []
+
+
+def test_every_named_method_and_loss_has_an_implementation():
+    """config names the values once; the implementations cover exactly those names (DESIGN.md rows
+    'a pruning method', 'a loss'), so adding a name without its code, or code without its name, fails."""
+    from laco_deploy.compensate.losses import LOSS_FUNCTIONS
+    from laco_deploy.config import LOSSES, PRUNE_METHODS
+    from laco_deploy.prune.step import STATISTICS
+
+    assert tuple(STATISTICS) == PRUNE_METHODS
+    assert tuple(LOSS_FUNCTIONS) == LOSSES
+    assert CompensateConfig(loss="huber").validate() and PruneConfig(method="obs").validate()

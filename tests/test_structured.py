@@ -19,7 +19,7 @@ IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 128, 33]])
 
 @pytest.fixture(scope="module")
 def uniform_dir(tiny_qwen2_dir, tmp_path_factory):
-    """Qwen2 (biases, untied head) pruned by `--structured 0.3`: 128 -> 90 FFN channels, 2 -> 1 head groups."""
+    """Qwen2 (biases, untied head) pruned by `--structured 0.3`: 128 -> 96 FFN channels (a multiple of 32), 2 -> 1 head groups."""
     out = tmp_path_factory.mktemp("uniform") / "pruned"
     data = DataConfig(calib="builtin", samples=2, seqlen=16)
     prune(ModelConfig(model=str(tiny_qwen2_dir)), data, PruneConfig(structured=0.3), out)
@@ -39,11 +39,11 @@ def per_layer_dir(tiny_llama_dir, tmp_path_factory):
 
 def test_uniform_widths_load_in_plain_transformers(uniform_dir):
     cfg = json.loads((uniform_dir / "config.json").read_text())
-    assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (90, 2, 1, 16)
+    assert (cfg["intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (96, 2, 1, 16)
     assert structured.WIDTHS_KEY not in cfg and structured.LOADER_KEY not in cfg
     plain = AutoModelForCausalLM.from_pretrained(uniform_dir, dtype=torch.float32).eval()  # no laco_deploy involved
     ours = load_model(str(uniform_dir)).model
-    assert plain.model.layers[1].mlp.up_proj.weight.shape == (90, 64)
+    assert plain.model.layers[1].mlp.up_proj.weight.shape == (96, 64)
     assert plain.model.layers[0].self_attn.q_proj.bias.shape == (32,)
     with torch.no_grad():
         a, b = plain(IDS).logits, ours(IDS).logits

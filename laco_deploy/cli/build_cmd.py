@@ -13,7 +13,7 @@ from laco_deploy import __version__
 from laco_deploy.cli import flags, output
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
-from laco_deploy.config import BuildConfig, to_dict
+from laco_deploy.config import PRUNE_METHODS, BuildConfig, to_dict
 from laco_deploy.errors import GateFailed
 from laco_deploy.fsutil import check_writable
 from laco_deploy.presets import help_text as preset_help
@@ -29,7 +29,7 @@ BUILD_LOG = "build.log"  # in the build folder: the full detail of every run, ap
 def build_command(
     target: Annotated[Optional[str], Opt("--target", "-t", help=f"{target_help()}. (default: {_B.export.target})", show_default=False)] = None,
     model: Annotated[Optional[str], Opt("--model", "-m", help="Dense model: HF directory, .gguf file, hub id (online) or 'default' (SmolLM2-135M-Instruct). (default: default)", show_default=False)] = None,
-    method: Annotated[Optional[str], Opt("--method", help=f"Pruning method: magnitude, wanda, sparsegpt. (default: {_B.prune.method})", show_default=False)] = None,
+    method: Annotated[Optional[str], Opt("--method", help=f"Pruning method: {', '.join(PRUNE_METHODS)}. (default: {_B.prune.method})", show_default=False)] = None,
     sparsity: Annotated[Optional[float], Opt("--sparsity", help=f"Unstructured sparsity per row, in [0, 1). (default: {_B.prune.sparsity})", show_default=False)] = None,
     pattern: Annotated[Optional[str], Opt("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (replaces --sparsity).", show_default=False)] = None,
     structured: Annotated[Optional[float], Opt("--structured", help="Share of FFN channels and head groups removed physically, e.g. 0.3 (smaller, faster model).", show_default=False)] = None,

@@ -20,7 +20,7 @@ from laco_deploy.cli.common import (
     console,
     model_config,
 )
-from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
+from laco_deploy.config import LOSSES, CompensateConfig, DataConfig, ModelConfig
 from laco_deploy.fsutil import check_writable
 
 _C, _D = CompensateConfig(), DataConfig()
@@ -51,7 +51,7 @@ def compensate_command(
     sparse: Annotated[Path, typer.Option("--sparse", help="Pruned model directory written by `laco-deploy prune`.")] = ...,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory for the compensated model (written atomically; checkpoints in OUT.ckpt).")] = ...,
     method: Annotated[str, typer.Option("--method", help="laco (layer-wise), lora (PEFT LoRA baseline, whole model) or none (copy).")] = _C.method,
-    loss: Annotated[str, typer.Option("--loss", help="LaCo loss: mse, nmse (per-token normalized), cos_mse or subblock (attention and MLP outputs separately).")] = _C.loss,
+    loss: Annotated[str, typer.Option("--loss", help=f"LaCo loss, one of {', '.join(LOSSES)}: nmse is per-token normalized, subblock fits attention and MLP outputs separately.")] = _C.loss,
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the calibration samples per layer (LoRA: over the model).")] = _C.epochs,
     lr: Annotated[float, typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule).")] = _C.lr,
     lr_last_factor: Annotated[float, typer.Option("--lr-last-factor", help="LaCo: the last layer's LR is lr * this (geometric decay over depth).")] = _C.lr_last_factor,

@@ -24,7 +24,7 @@ from laco_deploy.cli.common import (
     data_config,
     model_config,
 )
-from laco_deploy.config import PRUNABLE_LINEARS, DataConfig, ModelConfig, PruneConfig
+from laco_deploy.config import PRUNABLE_LINEARS, PRUNE_METHODS, DataConfig, ModelConfig, PruneConfig
 from laco_deploy.fsutil import check_writable
 
 _P, _D, _M = PruneConfig(), DataConfig(), ModelConfig()
@@ -41,11 +41,12 @@ def parse_targets(text: str) -> tuple[str, ...]:
 def prune_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output Hugging Face directory (written atomically; checkpoints go to OUT.ckpt while running).")],
     model: ModelOpt = _M.model,
-    method: Annotated[str, typer.Option("--method", help="magnitude, wanda or sparsegpt.")] = _P.method,
+    method: Annotated[str, typer.Option("--method", help=f"Pruning method: {', '.join(PRUNE_METHODS)}.")] = _P.method,
     sparsity: Annotated[float, typer.Option("--sparsity", help="Unstructured share of weights zeroed in every output row, in [0, 1).")] = _P.sparsity,
     pattern: Annotated[str | None, typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
     structured: Annotated[float | None, typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
     structured_metric: Annotated[str, typer.Option("--structured-metric", help="Importance for --structured: wanda (|W|*||X|| summed per channel) or fluctuation (FLAP).")] = _P.structured_metric,
+    structured_multiple: Annotated[int, typer.Option("--structured-multiple", help="--structured keeps a multiple of this many FFN channels per layer: 32 keeps every matrix in GGUF Q8_0/Q5_0 and ONNX int8 blocks (other widths are stored as F16), 256 fits the K-quants' blocks, 1 keeps the exact ratio.")] = _P.structured_multiple,
     targets: Annotated[str, typer.Option("--targets", help=f"Comma-separated linears to prune, or 'all' ({', '.join(PRUNABLE_LINEARS)}; embeddings and LM head are never pruned).")] = "all" if _P.targets == PRUNABLE_LINEARS else ",".join(_P.targets),
     owl: Annotated[bool, typer.Option("--owl", help="Outlier-weighted per-layer ratios (OWL) around --sparsity; one extra pass.")] = _P.owl,
     owl_lambda: Annotated[float, typer.Option("--owl-lambda", help="OWL: largest deviation of a layer's ratio from --sparsity.")] = _P.owl_lambda,
@@ -74,7 +75,7 @@ def prune_command(
     mcfg = model_config(model, device, allow_pickle)
     dcfg = data_config(calib, _D.eval, samples, seqlen, _D.eval_samples, seed)
     pcfg = PruneConfig(method=method.lower(), sparsity=sparsity, pattern=pattern, structured=structured,
-                       structured_metric=structured_metric, targets=parse_targets(targets), sparsegpt_damp=damp,
+                       structured_metric=structured_metric, structured_multiple=structured_multiple, targets=parse_targets(targets), sparsegpt_damp=damp,
                        sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload,
                        batch_size=batch_size)
     check(pcfg.validate())

@@ -20,7 +20,6 @@ from typing import Callable
 
 import torch
 
-LOSSES = ("mse", "nmse", "cos_mse", "subblock")
 EPS = 1e-8
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -78,7 +77,10 @@ def subblock_loss(pred_mid: torch.Tensor, target_mid: torch.Tensor, pred_out: to
     return nmse(pred_mid, target_mid) + nmse(pred_out, target_out)
 
 
+# compensate.loss (config.LOSSES) -> its output-only loss; `subblock` adds the attention sub-block term in train.py
+LOSS_FUNCTIONS: dict[str, LossFn] = {"mse": mse, "nmse": nmse, "cos_mse": cos_mse, "subblock": nmse}
+
+
 def get_loss(name: str) -> LossFn:
     """The output-only loss for `name`; `subblock` returns nmse (its output term)."""
-    table: dict[str, LossFn] = {"mse": mse, "nmse": nmse, "cos_mse": cos_mse, "subblock": nmse}
-    return table[name]
+    return LOSS_FUNCTIONS[name]

@@ -25,6 +25,11 @@ def parse_pattern(pattern: str | None) -> tuple[int, int]:
     return n, m
 
 
+# prune.method -> the input statistics it needs per linear: none, squared input norms (Wanda) or
+# the Hessian X^T X (SparseGPT); prune_matrix below implements each method
+STATISTICS = {"magnitude": None, "wanda": "norms", "sparsegpt": "hessian"}
+
+
 def prune_matrix(weight: torch.Tensor, method: str, stats: InputStats | None, *, ratio: float, n: int, m: int,
                  cfg: PruneConfig) -> torch.Tensor:
     """Prune one weight [out, in] in place by `method`; return the bool mask (True = pruned)."""
@@ -38,8 +43,10 @@ def prune_matrix(weight: torch.Tensor, method: str, stats: InputStats | None, *,
         if method == "wanda":
             assert stats is not None
             scores = scoring.wanda_scores(weight, stats.sq_sum)
-        else:
+        elif method == "magnitude":
             scores = scoring.magnitude_scores(weight)
+        else:
+            raise ValueError(f"prune.method {method!r} has no implementation in prune_matrix")
         mask = scoring.nm_mask(scores, n, m) if n else scoring.row_mask(scores, ratio)
         scoring.apply_mask(weight, mask)
         return mask
@@ -59,9 +66,9 @@ def prune_layer(ctx, cfg: PruneConfig, ratio: float) -> dict:
     n, m = parse_pattern(cfg.pattern)
     modules = linear_modules(ctx.layer, cfg.targets)
     stats: dict[str, InputStats] = {}
-    if cfg.method != "magnitude" and modules:
+    if STATISTICS[cfg.method] and modules:
         ctx.progress("statistics")
-        stats = collect_input_stats(ctx, modules, hessian=cfg.method == "sparsegpt")
+        stats = collect_input_stats(ctx, modules, hessian=STATISTICS[cfg.method] == "hessian")
     matrices = {}
     for name, lin in modules.items():
         ctx.progress(f"{cfg.method} {name.rsplit('.', 1)[-1]}")

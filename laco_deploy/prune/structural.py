@@ -31,9 +31,15 @@ FFN = ("gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def removal_count(width: int, ratio: float) -> int:
-    """Channels (or head groups) removed from `width` at `ratio`: rounded to nearest."""
-    return int(width * ratio + 0.5)
+def removal_count(width: int, ratio: float, multiple: int = 1) -> int:
+    """Channels (or head groups) removed from `width` at `ratio`, rounded to nearest so that the
+    number kept is a multiple of `multiple` (quantization blocks run along a kept-channel row), at
+    least one multiple; a width narrower than one multiple keeps the exact count."""
+    removed = int(width * ratio + 0.5)
+    if multiple > 1 and width >= multiple:
+        kept = max(1, int((width - removed) / multiple + 0.5)) * multiple
+        return width - min(kept, width)
+    return removed
 
 
 def _parts(cfg: PruneConfig, family: families.Family) -> tuple[bool, bool]:
@@ -56,7 +62,7 @@ def check_feasible(config, cfg: PruneConfig) -> None:
                               f"({','.join(FFN)}) or prune attention unstructured")
         log.warning("prune.structured: %s; removing FFN channels only", why)
     for i, w in enumerate(layer_widths(config)):
-        if ffn_on and removal_count(w["intermediate_size"], cfg.structured) >= w["intermediate_size"]:
+        if ffn_on and removal_count(w["intermediate_size"], cfg.structured, cfg.structured_multiple) >= w["intermediate_size"]:
             raise ConfigError(f"prune.structured {cfg.structured} would remove all {w['intermediate_size']} FFN channels "
                               f"of layer {i}; use a smaller ratio")
         kv = w["num_key_value_heads"]
@@ -172,7 +178,8 @@ def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
         if ffn_on:
             ctx.progress("ffn channels")
             scores = ffn_importance(layer.mlp, stats, cfg.structured_metric)
-            keep = scoring.keep_indices(scores, removal_count(before["intermediate_size"], cfg.structured))
+            keep = scoring.keep_indices(scores, removal_count(before["intermediate_size"], cfg.structured,
+                                                                         cfg.structured_multiple))
             remove_ffn_channels(layer.mlp, keep)
             rec["kept_ffn_channels"] = keep.tolist()
         if attn_on:

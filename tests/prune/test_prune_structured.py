@@ -69,9 +69,10 @@ def test_removal_equals_masking(fixture, request):
 @pytest.mark.parametrize("metric", ["wanda", "fluctuation"])
 def test_structured_run_matches_masked_dense_model(tiny_llama_dir, tmp_path, metric, data_cfg):
     out = tmp_path / "structured"
-    result = run(ModelConfig(model=str(tiny_llama_dir)), data_cfg, PruneConfig(structured=0.3, structured_metric=metric), out)
+    result = run(ModelConfig(model=str(tiny_llama_dir)), data_cfg,
+                 PruneConfig(structured=0.3, structured_metric=metric, structured_multiple=1), out)
     cfg = json.loads((out / "config.json").read_text())
-    # 128 FFN channels -> 38 removed; 2 KV groups -> round(0.6) = 1 removed
+    # 128 FFN channels -> 38 removed (exact ratio: structured_multiple 1); 2 KV groups -> round(0.6) = 1 removed
     # uniform widths in transformers' own keys; head_dim pinned (hidden 64 / 2 heads would say 32)
     assert {k: cfg[k] for k in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")} == \
         {"intermediate_size": 90, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
@@ -89,6 +90,29 @@ def test_structured_run_matches_masked_dense_model(tiny_llama_dir, tmp_path, met
     ids = torch.randint(0, 500, (2, 20))
     with torch.no_grad():
         assert torch.allclose(pruned(ids).logits, dense(ids).logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("ratio, multiple, kept", [(0.3, 32, 96), (0.3, 64, 64), (0.3, 1, 90), (0.1, 32, 128),
+                                                    (0.9, 32, 32), (0.3, 256, 90)])
+def test_structured_keeps_a_multiple_of_ffn_channels(ratio, multiple, kept):
+    # 128 channels; a multiple wider than the layer falls back to the exact count
+    assert 128 - structural.removal_count(128, ratio, multiple) == kept
+
+
+def test_structured_default_widths_export_to_gguf_without_f16_fallback(tiny_llama_dir, tmp_path, data_cfg):
+    """Kept FFN channels are a multiple of 32 by default, so Q8_0 quantizes ffn_down's rows too."""
+    import gguf
+
+    from exporters.gguf import export
+
+    out = tmp_path / "s30"
+    run(ModelConfig(model=str(tiny_llama_dir)), data_cfg, PruneConfig(structured=0.3), out)
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96
+    result = export(out, tmp_path / "s30.gguf", "q8_0")
+    assert not any("F16" in n for n in result.notes)
+    reader = gguf.GGUFReader(tmp_path / "s30.gguf")
+    down = [t for t in reader.tensors if t.name.endswith("ffn_down.weight")]
+    assert down and all(t.tensor_type == gguf.GGMLQuantizationType.Q8_0 for t in down)
 
 
 def test_structured_ffn_only_targets_keep_attention(tiny_llama_dir, tmp_path, data_cfg):
