@@ -10,11 +10,13 @@ and to the whole model's fp32 size, and laco_deploy.memplan's estimate with its 
 
     python benchmarks/scale_bench.py                      # 135m, 0.5b, 1.1b
     python benchmarks/scale_bench.py --sizes 135m,0.5b --threads 1 --out benchmarks/results/scale.json
+    python benchmarks/scale_bench.py --sizes 1.1b --laco-samples 1.1b=4 --resume   # continue a stopped run
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -78,15 +80,15 @@ def run_measured(cmd: list[str], log_file: Path) -> dict:
     return {"wall_s": round(wall, 1), "peak_rss_mib": round(usage.ru_maxrss * 1024 / MIB, 1)}
 
 
-def stage_commands(dense: Path, work: Path, threads: int) -> dict[str, list[str]]:
+def stage_commands(dense: Path, work: Path, threads: int, job: Workload = JOB) -> dict[str, list[str]]:
     cli = [sys.executable, "-c", "from laco_deploy.cli import main; main()", "--threads", str(threads)]
     pruned, recovered, gguf = work / "pruned", work / "recovered", work / "recovered.q8_0.gguf"
     return {
         "prune": [*cli, "prune", "--model", str(dense), "--out", str(pruned), "--method", "wanda", "--sparsity", "0.5",
                   "--offload", "disk", *DATA],
         "compensate": [*cli, "compensate", "--dense", str(dense), "--sparse", str(pruned), "--out", str(recovered),
-                       "--offload", "disk", "--epochs", "1", "--samples", str(JOB.compensate_samples),
-                       "--seqlen", str(JOB.compensate_seqlen), "--json", str(work / "compensate.json")],
+                       "--offload", "disk", "--epochs", "1", "--samples", str(job.compensate_samples),
+                       "--seqlen", str(job.compensate_seqlen), "--json", str(work / "compensate.json")],
         "export": [*cli, "export", "--model", str(recovered), "--target", "gguf", "--quant", "q8_0", "--out", str(gguf)],
         "fidelity": [*cli, "fidelity", "--dense", str(dense), "--candidate", f"pruned={pruned}",
                      "--candidate", f"laco={recovered}", "--candidate", f"gguf-q8_0={gguf}", "--eval", "builtin",
@@ -95,21 +97,30 @@ def stage_commands(dense: Path, work: Path, threads: int) -> dict[str, list[str]
     }
 
 
-def bench_size(size: str, work: Path, threads: int, save) -> dict:
-    """Build the model, run every stage measured; -> one row per stage plus the model's sizes.
-    `save(row)` is called after each stage, so an interrupted run keeps what it measured."""
+def bench_size(size: str, work: Path, threads: int, save, job: Workload = JOB, done: dict | None = None,
+               only: tuple[str, ...] = STAGES) -> dict:
+    """Build the model (kept from an earlier run when its folder is complete), run every stage
+    measured; -> one row per stage plus the model's sizes. Stages in `done` (an earlier run's rows,
+    whose outputs are still in `work`) are kept, not rerun. `save(row)` is called after each stage,
+    so an interrupted run keeps what it measured."""
     work.mkdir(parents=True, exist_ok=True)
     dense = work / "dense"
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, __file__, "--make", size, str(dense)], check=True)
-    log.info("%s: model built in %.0f s", size, time.perf_counter() - t0)
+    if (dense / "config.json").is_file() and any(dense.glob("*.safetensors")):
+        log.info("%s: reusing the model in %s", size, dense)
+    else:
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, __file__, "--make", size, str(dense)], check=True)
+        log.info("%s: model built in %.0f s", size, time.perf_counter() - t0)
     sizes = model_bytes(dense)
-    estimates = {e.stage: e for e in estimate_build(sizes, JOB)}
-    rows: dict[str, dict] = {}
+    estimates = {e.stage: e for e in estimate_build(sizes, job)}
+    rows: dict[str, dict] = dict(done or {})
     row = {"params": sizes["total"] // 4, "model_fp32_mib": round(sizes["total"] / MIB, 1),
            "layer_fp32_mib": round(sizes["layer_max"] / MIB, 1), "num_layers": sizes["num_layers"],
-           "config": SIZES[size], "stages": rows}
-    for stage, cmd in stage_commands(dense, work, threads).items():
+           "config": SIZES[size], "compensate_samples": job.compensate_samples, "stages": rows}
+    for stage, cmd in stage_commands(dense, work, threads, job).items():
+        if stage in rows or stage not in only:
+            log.info("%s %-10s %s", size, stage, "measured before (--resume)" if stage in rows else "skipped (--stages)")
+            continue
         m = run_measured(cmd, work / f"{stage}.log")
         est = estimates[stage]
         m.update({"estimate_mib": round(est.host_bytes / MIB, 1), "estimate_terms_mib": {k: round(v / MIB, 1) for k, v in est.terms.items()},
@@ -145,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch / llama.cpp threads per stage (default: %(default)s)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/laco-scale"), help="scratch folder (~20 GB for 1.1b)")
     ap.add_argument("--keep", action="store_true", help="keep each size's models (deleted by default)")
+    ap.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset to run (default: %(default)s)")
+    ap.add_argument("--resume", action="store_true", help="keep the stages already in --out and run the rest, "
+                    "reusing the models in --work (implies --keep)")
+    ap.add_argument("--laco-samples", default="", metavar="SIZE=N,...",
+                    help=f"LaCo calibration samples per size where the fixed budget ({JOB.compensate_samples}) is too slow")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/scale.json"), help="JSON result (default: %(default)s)")
     ap.add_argument("--make", nargs=2, metavar=("SIZE", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -156,8 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         ap.error(f"unknown size(s) {', '.join(unknown)}; choose from {', '.join(SIZES)}")
+    try:
+        laco_samples = {k.strip(): int(v) for k, v in (kv.split("=") for kv in args.laco_samples.split(",") if kv.strip())}
+    except ValueError:
+        ap.error(f"--laco-samples {args.laco_samples!r}: expected SIZE=N pairs, e.g. 1.1b=4")
     t0 = time.perf_counter()
     results: dict[str, dict] = {}
+    if args.resume and args.out.is_file():
+        results.update(json.loads(args.out.read_text())["results"])
 
     def save(complete: bool = False) -> dict:
         doc = {"results": results, "complete": complete, "workload": JOB.__dict__, "threads": args.threads,
@@ -174,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             results[size] = row
             save()
 
-        bench_size(size, args.work / size, args.threads, on_stage)
-        if not args.keep:
+        job = dataclasses.replace(JOB, compensate_samples=laco_samples.get(size, JOB.compensate_samples))
+        done = results.get(size, {}).get("stages") if args.resume else None
+        bench_size(size, args.work / size, args.threads, on_stage, job, done, tuple(args.stages.split(",")))
+        if not (args.keep or args.resume):
             shutil.rmtree(args.work / size, ignore_errors=True)
     doc = save(complete=True)
     print(table(results))

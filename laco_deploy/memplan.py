@@ -2,10 +2,12 @@
 host (RSS) and device memory each stage of a build is expected to need.
 
 Sizes come from the model's config alone (a skeleton on `meta`, no weights read), per decoder
-layer at its own width (structured-pruned models). The stage estimates add up what the code holds
-at its peak: the process itself (Python, torch, transformers: `PROCESS_BYTES`), the weights a stage
-keeps (the non-layer weights, one decoder layer or a pair, or a whole model where it is resident),
-the activation caches and the largest temporaries. `benchmarks/scale_bench.py` checks them against
+layer at its own width (structured-pruned models). Each stage is estimated phase by phase (what is
+alive together: e.g. embedding the samples, the layer walk, saving) and its peak is the largest
+phase: the process itself (Python, torch, transformers: `PROCESS_BYTES`), the weights the phase
+holds (the embedding while the samples are embedded, one decoder layer or a pair, a block of the
+LM head, a whole model where it is resident, the exported file where a runtime maps it), the
+activation caches and the largest temporaries. `benchmarks/scale_bench.py` checks them against
 measured peaks from 135M to 1.1B parameters.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from laco_deploy.config import PRUNABLE_LINEARS
+from laco_deploy.engine.forward import HEAD_BLOCK_BYTES
 from laco_deploy.memory import proc_bytes
 from laco_deploy.models import decoder_layers, linear_modules
 
@@ -81,18 +84,21 @@ class Workload:
     torch_candidates: int  # fidelity: pruned (and recovered)
     runtime_candidates: int  # fidelity: the export
     parity_tokens: int = 128  # export: the llama.cpp vs PyTorch check (bench.parity.PARITY_TOKENS)
+    compensate_dense_twin: bool = False  # the LaCo step runs the dense twin (subblock loss, lsq init)
 
     @classmethod
     def of_build(cls, cfg, device) -> Workload:
         """The workload of `laco-deploy build` with BuildConfig `cfg` on `device`."""
         from laco_deploy.compensate.budget import resolve_budget
+        from laco_deploy.compensate.laco import needs_dense_layer
         from laco_deploy.data import eval_specs
 
         budget = resolve_budget(cfg.compensate, cfg.data, device)
         return cls(cfg.data.samples, cfg.data.seqlen, cfg.prune.batch_size, cfg.prune.offload, budget.samples,
                    budget.seqlen, cfg.compensate.batch_size, cfg.compensate.offload,
                    cfg.data.eval_samples * len(eval_specs(cfg.data.eval)),
-                   1 + (cfg.compensate.method != "none"), 1)
+                   1 + (cfg.compensate.method != "none"), 1,
+                   compensate_dense_twin=needs_dense_layer(cfg.compensate))
 
 
 @dataclass(frozen=True)
@@ -108,52 +114,81 @@ def _layer_batch(w: dict[str, int], tokens: int) -> int:
     return tokens * (8 * w["hidden"] + 3 * w["ffn_max"]) * FP32
 
 
-def _stage(name: str, terms: dict[str, int], device: dict[str, int]) -> StageEstimate:
-    return StageEstimate(name, sum(terms.values()), sum(device.values()), terms)
+def _stage(name: str, phases: dict[str, dict[str, int]], device: dict[str, int]) -> StageEstimate:
+    """A stage's estimate from its phases (what is alive together); the host peak is the largest
+    phase, and `terms` are that phase's parts."""
+    peak = max(phases.values(), key=lambda terms: sum(terms.values()))
+    return StageEstimate(name, sum(peak.values()), sum(device.values()), peak)
+
+
+def _largest_rest(w: dict[str, int]) -> int:
+    """The largest non-layer tensor: the embedding or the untied head (read one at a time when a
+    streamed model is saved: LazyModel.save copies them from the source file)."""
+    return max(w["embed"], w["head"])
 
 
 def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
     cache = job.calib_samples * job.seqlen * w["hidden"] * FP32
-    weights = (w["embed"] + w["head"] + w["layer_max"]) if job.prune_offload == "disk" else w["total"]
     work = {"scores": 3 * w["linear_max"], "batch": _layer_batch(w, job.prune_batch * job.seqlen)}
-    return _stage("prune", {"process": PROCESS_BYTES["prune"], "weights": weights, "activations": 2 * cache, **work},
+    process = {"process": PROCESS_BYTES["prune"]}
+    if job.prune_offload != "disk":
+        return _stage("prune", {"layers": {**process, "weights": w["total"], "activations": 2 * cache, **work}},
+                      {"layer": w["layer_max"], **work})
+    # streamed: the embedding only while the samples are embedded, one layer at a time, then the save
+    return _stage("prune", {"embed": {**process, "embedding": w["embed"], "activations": cache},
+                            "layers": {**process, "layer": w["layer_max"], "activations": 2 * cache, **work},
+                            "save": {**process, "tensor": max(w["layer_max"], _largest_rest(w))}},
                   {"layer": w["layer_max"], **work})
 
 
 def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     cache = job.compensate_samples * job.compensate_seqlen * w["hidden"] * FP32
-    resident = (w["embed"] + w["head"] + w["layer_max"]) if job.compensate_offload == "disk" else w["total"]
-    # the layer being trained: its dense twin, grads + AdamW moments + the mask, autograd activations
-    train = {"dense twin": w["layer_max"], "grads+adam+mask": 3 * w["layer_max"] + w["layer_max"] // 4,
+    # the layer being trained: grads + AdamW moments + the mask, autograd activations, and the dense
+    # twin where the step runs it (else the streamed twin leaves once its outputs are computed)
+    train = {"dense twin": w["layer_max"] if job.compensate_dense_twin else 0, "grads+adam+mask": 3 * w["layer_max"] + w["layer_max"] // 4,
              "batch": 2 * _layer_batch(w, job.compensate_batch * job.compensate_seqlen)}
-    return _stage("compensate", {"process": PROCESS_BYTES["compensate"], "pruned model": resident,
-                                 "activations": 4 * cache, **train}, {"layer": w["layer_max"], **train})
+    process = {"process": PROCESS_BYTES["compensate"]}
+    device = {"layer": w["layer_max"], **train}
+    if job.compensate_offload != "disk":
+        return _stage("compensate", {"layers": {**process, "pruned model": w["total"], "activations": 4 * cache, **train}},
+                      device)
+    return _stage("compensate", {"embed": {**process, "embedding": w["embed"], "activations": cache},
+                                 "layers": {**process, "layer": w["layer_max"], "activations": 4 * cache, **train},
+                                 "save": {**process, "tensor": max(w["layer_max"], _largest_rest(w))}}, device)
 
 
 def estimate_export(w: dict[str, int], job: Workload) -> StageEstimate:
-    """GGUF q8_0: the largest tensor read, reordered and quantized; then the parity check: PyTorch on
-    the layer engine (embeddings or head, one layer, the logits), then llama.cpp with the file. On CPU."""
+    """GGUF q8_0: the largest tensor read and quantized (the source tensor and its packed copy); then
+    the parity check: PyTorch on the layer engine (the embedding, then one layer, the final norm
+    and a block of the head, the logits), then llama.cpp with the whole file mapped. On CPU."""
     tensor = max(w["linear_max"], w["embed"], w["head"])
     logits = job.parity_tokens * w["vocab"] * FP32
-    write = 2 * tensor + tensor // 4
-    torch_side = max(w["embed"], w["head"]) + w["layer_max"] + logits
-    llama_side = gguf_bytes(w) + LLAMA_CPP_BYTES + 2 * logits
-    return _stage("export", {"process": PROCESS_BYTES["export"], "writer or parity": max(write, torch_side, llama_side)}, {})
+    process = {"process": PROCESS_BYTES["export"]}
+    return _stage("export", {
+        "write": {**process, "tensor + packed": tensor + int(tensor / FP32 * Q8_0_BYTES)},
+        "torch parity": {**process, "embedding or layer": max(w["embed"], w["layer_max"] + HEAD_BLOCK_BYTES), "logits": logits},
+        "llama.cpp parity": {**process, "gguf file": gguf_bytes(w), "llama.cpp": LLAMA_CPP_BYTES, "logits": 2 * logits}}, {})
 
 
 def estimate_fidelity(w: dict[str, int], job: Workload) -> StageEstimate:
-    """Dense + PyTorch candidates walked side by side (one activation cache each, one layer, the
-    head, one window's logits per model), then each runtime candidate alone next to the dense
-    model's cache and head."""
+    """Every model embeds the windows (its embedding matrix read, used, dropped), then dense + PyTorch
+    candidates are walked side by side (one activation cache each, one layer), their logits made one
+    window at a time with the head read in blocks of vocabulary rows; then each runtime candidate
+    alone, next to the dense model's cache."""
     cache = job.eval_windows * job.seqlen * w["hidden"] * FP32
-    head = w["head"] or w["embed"]
+    caches = (1 + job.torch_candidates) * cache
     logits = job.seqlen * w["vocab"] * FP32
     compare = 4 * KL_CHUNK_ROWS * w["vocab"] * 8  # float64 log-softmax chunks of both models
-    torch_pass = (1 + job.torch_candidates) * cache + w["layer_max"] + 2 * head + 2 * logits + compare
-    runtime = cache + head + gguf_bytes(w) + LLAMA_CPP_BYTES + 3 * logits + compare
-    phase = max(torch_pass, runtime) if job.runtime_candidates else torch_pass
-    return _stage("fidelity", {"process": PROCESS_BYTES["fidelity"], "models and activations": phase},
-                  {"layer": w["layer_max"], "head": head, "batch": _layer_batch(w, 8 * job.seqlen)})
+    process = {"process": PROCESS_BYTES["fidelity"]}
+    phases = {"embed": {**process, "embedding": w["embed"], "caches": caches},
+              "layers": {**process, "caches": caches, "layer": w["layer_max"]},
+              "logits": {**process, "caches": caches, "head block": HEAD_BLOCK_BYTES, "logits": 2 * logits,
+                         "compare": compare}}
+    if job.runtime_candidates:
+        phases["runtime"] = {**process, "cache": cache, "head block": HEAD_BLOCK_BYTES, "gguf file": gguf_bytes(w),
+                             "llama.cpp": LLAMA_CPP_BYTES, "logits": 3 * logits, "compare": compare}
+    return _stage("fidelity", phases, {"layer": w["layer_max"], "head block": HEAD_BLOCK_BYTES,
+                                       "batch": _layer_batch(w, 8 * job.seqlen)})
 
 
 def gguf_bytes(w: dict[str, int]) -> int:

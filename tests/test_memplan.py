@@ -53,7 +53,9 @@ def test_estimates_move_with_the_settings(tiny_llama_dir):
     more = {e.stage: e for e in estimate_build(w, _job(eval_windows=1000))}
     assert more["fidelity"].host_bytes > ram["fidelity"].host_bytes
     assert all(e.host_bytes == sum(e.terms.values()) for e in ram.values())
-    assert ram["compensate"].device_bytes > 5 * w["layer_max"]  # the layer pair + grads + AdamW
+    assert ram["compensate"].device_bytes > 4 * w["layer_max"]  # the layer + grads + AdamW + mask
+    twin = {e.stage: e for e in estimate_build(w, _job(compensate_dense_twin=True))}
+    assert twin["compensate"].device_bytes == disk["compensate"].device_bytes + w["layer_max"]
 
 
 def test_build_workload_follows_the_config():

@@ -27,6 +27,7 @@ from laco_deploy.engine import (
     LayerCheckpoints,
     LayerContext,
     LayerLoader,
+    LazyModel,
     Paths,
     WalkOptions,
     capture_layer_inputs,
@@ -107,6 +108,12 @@ def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfi
     return before["nmse"], True
 
 
+def needs_dense_layer(cfg: CompensateConfig) -> bool:
+    """Whether the step runs the dense twin itself (the sub-block loss, the least-squares refit);
+    otherwise it only reads the twin's outputs and a streamed twin leaves memory before training."""
+    return cfg.loss == "subblock" or cfg.init == "lsq"
+
+
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
               seed: int, meter: SegmentMeter, shard: distributed.Shard | None = None):
     """The per-layer step for walk_layers: fit the layer, return its record. `split` holds global
@@ -120,7 +127,8 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
             mid = dense_mid_cache(ctx) if cfg.loss == "subblock" else None
             data = LayerData(ctx.inputs, ctx.dense_targets, mid, ctx.kwargs, split[0], split[1],
                              ctx.dense_inputs if cfg.dense_input_mix > 0 else None, shard)
-            resident = list(ctx.layer.parameters()) + list(ctx.dense_layer.parameters())
+            dense = list(ctx.dense_layer.parameters()) if ctx.dense_layer is not None else []
+            resident = list(ctx.layer.parameters()) + dense
             trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
                                    ctx.device, seed + ctx.index, resident)
             refit = _refit(ctx, trainer, masks, cfg, split) if cfg.init == "lsq" else None
@@ -150,8 +158,11 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     # torchrun: each rank embeds and walks its own shard; the split is over all samples
     shard = distributed.shard(input_ids.shape[0])
-    inputs = capture_layer_inputs(sparse_model, input_ids[shard.start:shard.stop], device, offload=cfg.offload,
-                                  workdir=checkpoint_dir)
+    ids = input_ids[shard.start:shard.stop]
+    if isinstance(layer_loader, LazyModel):  # streamed: its embedding is read for this and dropped
+        inputs = layer_loader.capture(ids, device, cfg.offload, checkpoint_dir)
+    else:
+        inputs = capture_layer_inputs(sparse_model, ids, device, offload=cfg.offload, workdir=checkpoint_dir)
     split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
     step = make_step(cfg, targets, split, seed, meter, shard)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
@@ -160,5 +171,6 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
                               WalkOptions(device, cfg.batch_size, "LaCo"), paths=Paths.BOTH,
                               dense=Lane(dense_model, loader=dense_loader),
-                              checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume))
+                              checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume),
+                              dense_in_step=needs_dense_layer(cfg))
     return records

@@ -79,7 +79,7 @@ def open_models(model_cfg: ModelConfig, sparse_dir: Path, cfg: CompensateConfig,
     if cfg.offload == "disk" and cfg.method == "laco":
         if not _has_safetensors(sparse_dir):
             raise ModelError(f"{sparse_dir} has no *.safetensors; compensate.offload disk streams layers from safetensors files only")
-        sparse_lazy = LazyModel.open(sparse_dir, spill_dir=spill_dir)
+        sparse_lazy = LazyModel.open(sparse_dir, spill_dir=spill_dir, rest=False)  # embeddings: only to embed the samples
         tokenizer = AutoTokenizer.from_pretrained(sparse_dir)
         return Models(dense, sparse_lazy.model, tokenizer, dense_lazy, sparse_lazy)
     if cfg.method == "lora":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -25,8 +26,8 @@ from laco_deploy.engine.walk import call_layer
 from laco_deploy.models import decoder_layers
 from laco_deploy.progress import progress_bar
 
-EMBED = ("model.embed_tokens",)
-HEAD = ("model.norm", "lm_head")
+NORM = ("model.norm",)
+HEAD_BLOCK_BYTES = 16 * 2**20  # fp32 bytes of the LM head read at a time (lazy streams)
 
 
 @dataclass
@@ -59,12 +60,7 @@ def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *,
     path = Path(path)
     if any(path.glob("*.safetensors")) or load_resident is None:
         lazy = LazyModel.open(path, rest=False)
-        lazy.load_rest(EMBED)
-        try:
-            inputs = capture_layer_inputs(lazy.model, input_ids, device, offload=offload, workdir=workdir)
-        finally:
-            lazy.release_rest(EMBED)
-        return ModelStream(lazy.model, inputs, lazy)
+        return ModelStream(lazy.model, lazy.capture(input_ids, device, offload, workdir), lazy)
     model = load_resident(path)
     inputs = capture_layer_inputs(model, input_ids, device, offload=offload, workdir=workdir)
     return ModelStream(model, inputs, None)
@@ -105,35 +101,63 @@ def walk_side_by_side(streams: dict[str, ModelStream], *, device: torch.device, 
 class Head:
     """Final norm + LM head of one stream: last hidden states -> logits.
 
-    Lazy streams read the two modules from their files (with tied embeddings, the embedding
-    matrix); `close()` returns them to `meta`.
+    Lazy streams load the final norm only; the head's weight (with tied embeddings, the embedding
+    matrix) is read from the file in blocks of vocabulary rows on every call, one block in memory
+    at a time: at vocab 49152 and hidden 2048 the matrix is 384 MiB, one window's logits 24 MiB.
+    `close()` returns the norm to `meta`.
     """
 
     def __init__(self, stream: ModelStream, device: torch.device):
         self.stream, self.device = stream, device
         if stream.lazy is not None:
-            stream.lazy.load_rest(HEAD)
-        self.norm, self.lm_head = stream.model.model.norm.to(device), stream.model.lm_head.to(device)
+            stream.lazy.load_rest(NORM)
+        self.norm = stream.model.model.norm.to(device)
+        self.lm_head = stream.model.lm_head.to(device) if stream.lazy is None else None
         self.softcap = families.logit_softcap(stream.model.config)  # Gemma 2: cap * tanh(logits / cap)
+        self.rows = max(1, HEAD_BLOCK_BYTES // (4 * stream.model.config.hidden_size))
+
+    def blocks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(first row, weight block [rows, hidden], bias block or None) of the LM head, on `device`."""
+        if self.lm_head is not None:
+            w, b = self.lm_head.weight, self.lm_head.bias
+            for start in range(0, w.shape[0], self.rows):
+                yield start, w[start : start + self.rows], (b[start : start + self.rows] if b is not None else None)
+            return
+        for start, w, b in self.stream.lazy.head_blocks(self.rows):
+            yield start, w.to(self.device), (b.to(self.device) if b is not None else None)
 
     @torch.no_grad()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [seq, hidden] -> logits [seq, vocab] float32 on CPU."""
-        logits = self.lm_head(self.norm(hidden.to(self.device)))
+        h = self.norm(hidden.to(self.device))
+        if self.lm_head is not None:
+            logits = self.lm_head(h)
+        else:
+            logits = torch.empty(*h.shape[:-1], self.stream.model.config.vocab_size, device=self.device)
+            for start, w, b in self.blocks():
+                logits[..., start : start + w.shape[0]] = torch.nn.functional.linear(h, w, b)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float().cpu()
 
     def same_weights(self, other: Head) -> bool:
-        """Whether both heads hold identical tensors (then one can serve both models)."""
-        mine = {**self.norm.state_dict(prefix="norm."), **self.lm_head.state_dict(prefix="head.")}
-        theirs = {**other.norm.state_dict(prefix="norm."), **other.lm_head.state_dict(prefix="head.")}
-        return self.softcap == other.softcap and mine.keys() == theirs.keys() and all(
-            mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k]) for k in mine)
+        """Whether both heads hold identical tensors (then one can serve both models); compared
+        block by block, so that neither head is read whole."""
+        mine, theirs = self.norm.state_dict(), other.norm.state_dict()
+        if self.softcap != other.softcap or mine.keys() != theirs.keys() or not all(
+                mine[k].shape == theirs[k].shape and torch.equal(mine[k], theirs[k]) for k in mine):
+            return False
+        if self.rows != other.rows or self.stream.model.config.vocab_size != other.stream.model.config.vocab_size:
+            return False  # different widths: the blocks would not line up (nor the weights match)
+        for (_, w, b), (_, w2, b2) in zip(self.blocks(), other.blocks(), strict=True):
+            if w.shape != w2.shape or not torch.equal(w, w2) or (b is None) != (b2 is None) or (
+                    b is not None and not torch.equal(b, b2)):
+                return False
+        return True
 
     def close(self) -> None:
         if self.stream.lazy is not None:
-            self.stream.lazy.release_rest(HEAD)
+            self.stream.lazy.release_rest(NORM)
         else:
             self.norm.to("cpu")
             self.lm_head.to("cpu")

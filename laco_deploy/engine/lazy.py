@@ -1,11 +1,12 @@
 """Models larger than RAM: decoder layers streamed from the safetensors files, one at a time.
 
-`LazyModel.open(dir)` builds the model on the `meta` device (no memory) and loads only what is
-not a decoder layer (embeddings, final norm, LM head, rotary tables). `walk_layers(Lane(model,
-inputs, lazy), ...)` then materialises layer i from disk just before its step and, after it,
-writes the (pruned / compensated) layer to a spill file and returns it to `meta`. `save()`
-assembles a sharded Hugging Face directory (one shard per layer plus one for the rest, with
-`model.safetensors.index.json`) from the spill files, again one layer in memory at a time.
+`LazyModel.open(dir, rest=False)` builds the model on the `meta` device (no memory); `capture()`
+reads the embedding matrix only to embed the calibration samples and drops it before the first
+layer runs. `walk_layers(Lane(model, inputs, lazy), ...)` then materialises layer i from disk just
+before its step and, after it, writes the (pruned / compensated) layer to a spill file and returns
+it to `meta`. `save()` assembles a sharded Hugging Face directory (one shard per layer, one per
+non-layer tensor, with `model.safetensors.index.json`) from the spill files and the source files,
+one layer or one tensor in memory at a time: the embeddings and the LM head are never held whole.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, atomic_path
 from laco_deploy.memory import trim_heap
@@ -26,6 +29,7 @@ from laco_deploy.memory import trim_heap
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
 REST = ("model.embed_tokens", "model.norm", "lm_head")  # the non-layer modules, in checkpoint order
+EMBED = ("model.embed_tokens",)
 
 
 def _tensor_files(path: Path) -> dict[str, Path]:
@@ -111,9 +115,44 @@ class LazyModel:
             wanted |= embedding
         return wanted
 
+    def capture(self, input_ids: torch.Tensor, device: torch.device, offload: str = "cpu",
+                workdir: Path | None = None) -> LayerInputs:
+        """engine.capture_layer_inputs of input_ids [n, seq], with the embedding matrix read for it and
+        returned to `meta` right after: no stage needs it past the layer-0 inputs."""
+        self.load_rest(EMBED)
+        try:
+            return capture_layer_inputs(self.model, input_ids, device, offload=offload, workdir=workdir)
+        finally:
+            self.release_rest(EMBED)
+            trim_heap()
+
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor of the source checkpoint, read from its file, as float32 on CPU."""
         return self._read([name])[name]
+
+    def head_name(self) -> str:
+        """The checkpoint name of the LM head's weight (the embedding matrix when tied)."""
+        if self.model.config.tie_word_embeddings or "lm_head.weight" not in self._where:
+            if not self.model.config.tie_word_embeddings:
+                raise ModelError(f"{self.path}: lm_head.weight missing and embeddings are not tied; the checkpoint is incomplete")
+            return "model.embed_tokens.weight"
+        return "lm_head.weight"
+
+    def head_blocks(self, rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(first row, weight [<=rows, hidden], bias [<=rows] or None) of the LM head, float32 on CPU, in
+        blocks of `rows` vocabulary rows. Each block is read from the file when reached, through a file
+        handle of its own: safetensors maps the file, and pages touched through a handle left open stay
+        resident, so the whole head would be in memory by the last block."""
+        weight, bias = self.head_name(), ("lm_head.bias" if "lm_head.bias" in self._where else None)
+        with safe_open(str(self._where[weight]), framework="pt") as handle:
+            vocab = handle.get_slice(weight).get_shape()[0]
+        for start in range(0, vocab, rows):
+            stop = min(start + rows, vocab)
+            yield start, self._rows(weight, start, stop), (self._rows(bias, start, stop) if bias else None)
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            return handle.get_slice(name)[start:stop].to(torch.float32)
 
     def has_tensor(self, name: str) -> bool:
         return name in self._where
@@ -158,7 +197,8 @@ class LazyModel:
         return Path(self.spill_dir) / f"spill_{i:03d}.safetensors" if self.spill_dir is not None else None
 
     def save(self, out_dir: Path, tokenizer: Any, extra_files: dict[str, str] | None = None) -> None:
-        """Write a sharded HF directory from the spilled layers (one layer in memory at a time)."""
+        """Write a sharded HF directory from the spilled layers and the source's non-layer tensors
+        (one layer or one tensor in memory at a time)."""
         from laco_deploy.models import with_provenance
 
         extra_files = with_provenance(self.path, extra_files)
@@ -174,11 +214,14 @@ class LazyModel:
                 weight_map.update(dict.fromkeys(state, shard))
                 total += sum(v.numel() * v.element_size() for v in state.values())
                 layer.to("meta")
-            rest = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()
-                    if not k.startswith("model.layers.") and not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)}
-            save_file(rest, str(tmp / "model-rest.safetensors"), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(rest, "model-rest.safetensors"))
-            total += sum(v.numel() * v.element_size() for v in rest.values())
+            for j, name in enumerate(self._rest_names()):  # unchanged by every stage: copied from the source
+                shard = f"model-rest-{j:02d}.safetensors"
+                tensor = self.tensor(name).contiguous()
+                save_file({name: tensor}, str(tmp / shard), metadata={"format": "pt"})
+                weight_map[name] = shard
+                total += tensor.numel() * tensor.element_size()
+                del tensor
+                trim_heap()
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
             self.model.config.save_pretrained(tmp)
             if self.model.generation_config is not None:
@@ -187,6 +230,15 @@ class LazyModel:
                 tokenizer.save_pretrained(tmp)
             for name, text in (extra_files or {}).items():
                 (tmp / name).write_text(text)
+
+    def _rest_names(self) -> list[str]:
+        """The checkpoint names of the non-layer tensors a saved model holds (the tied head is the embedding)."""
+        tied = bool(self.model.config.tie_word_embeddings)
+        names = [k for k in self.model.state_dict() if not k.startswith("model.layers.") and not (k == "lm_head.weight" and tied)]
+        missing = [k for k in names if k not in self._where]
+        if missing:
+            raise ModelError(f"{self.path}: {missing[0]} missing from the safetensors files; the checkpoint is incomplete")
+        return names
 
 
 def skeleton(config) -> torch.nn.Module:

@@ -103,11 +103,14 @@ def walk_layers(
     dense: Lane | None = None,
     checkpoints: LayerCheckpoints | None = None,
     on_layer_done: LayerDone | None = None,
+    dense_in_step: bool = True,
 ) -> list[dict]:
     """Process every decoder layer of `sparse.model` in order; return the step's record per layer.
 
     `on_layer_done(i, record, sparse_out, dense_out)` sees each layer's outputs (fidelity curves).
     With `checkpoints`, each finished layer is saved, and on resume restored instead of stepped.
+    `dense_in_step=False`: the step reads the dense targets only, so a streamed dense twin is released
+    as soon as they are computed (one layer less in memory while the step runs; ctx.dense_layer None).
     """
     if paths is Paths.BOTH and dense is None:
         raise ValueError("Paths.BOTH needs a dense lane")
@@ -143,6 +146,10 @@ def walk_layers(
                            dense_out, progress=lambda s: set_status(bar, s))
         if dense_layer is not None:
             ctx.run(dense_layer, dense_in, dense_out)
+            if not dense_in_step and dense.loader is not None:
+                dense_layers[i].to("cpu")
+                dense.loader.release(i, dense_layers[i])
+                dense_layer = ctx.dense_layer = None
         record = checkpoints.restore(i, layer, device) if checkpoints is not None else None
         if record is None:
             record = (step(ctx) if step is not None else None) or {}
@@ -153,12 +160,12 @@ def walk_layers(
         if on_layer_done is not None:
             on_layer_done(i, record, sparse_out, dense_out)
         layers[i].to("cpu")
-        if dense_layer is not None:
-            dense_layers[i].to("cpu")
         if sparse.loader is not None:
             sparse.loader.release(i, layers[i])
-        if dense is not None and dense.loader is not None:
-            dense.loader.release(i, dense_layers[i])
+        if dense_layer is not None:
+            dense_layers[i].to("cpu")
+            if dense.loader is not None:
+                dense.loader.release(i, dense_layers[i])
         sparse_in, sparse_out = sparse_out, sparse_in
         if dense_in is not None:
             dense_in, dense_out = dense_out, dense_in

@@ -93,7 +93,7 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
         raise ConfigError(f"prune.offload disk streams layers from a local model; {model_cfg.model!r} is a hub id: "
                           "set prune.offload to cpu, or pass a local Hugging Face directory or .gguf file")
     path = local_dir(source)
-    lazy = LazyModel.open(path, spill_dir=distributed.rank_dir(ckpt / "spill"))
+    lazy = LazyModel.open(path, spill_dir=distributed.rank_dir(ckpt / "spill"), rest=False)
     check_architecture(lazy.model.config)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
     return _Source(lazy.model, tok, model_cfg.model, str(path), lazy)
@@ -110,7 +110,10 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
     In a torchrun job each rank captures its own shard of the samples (statistics are summed)."""
     part = distributed.shard(ids.shape[0])
     ids = ids[part.start:part.stop]
-    inputs = capture_layer_inputs(src.model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
+    if src.lazy is not None:  # the embedding is read for this and dropped: pruning needs nothing else outside the layers
+        inputs = src.lazy.capture(ids, device, prune_cfg.offload, ckpt)
+    else:
+        inputs = capture_layer_inputs(src.model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
     ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=prune_cfg.batch_size,
                               cache_file=ckpt / "owl.json", resume=resume,
                               loader=src.lazy.without_spill() if src.lazy is not None else None)

@@ -231,3 +231,27 @@ def test_nope_layers_walk_as_the_model_runs_them(tiny_smollm3_dir):
     model.model.layers[3].self_attn.use_rope = 1  # the same model, rotating layer 3 too
     roped = _hidden_states(model, ids)[-1]
     assert (roped - expected[-1]).abs().max().item() > 1e-3
+
+
+def test_streamed_dense_twin_leaves_before_the_step(tiny_llama_dir):
+    """dense_in_step=False: the step sees the same dense targets, but the streamed twin is back on
+    `meta` (not in memory) while it runs; with the default the twin is there."""
+    from laco_deploy.engine import LazyModel
+
+    ids = _ids(4)
+    seen = {}
+
+    def step(ctx):
+        dense_layer = ctx.dense_layer
+        on_meta = all(p.is_meta for p in twin.model.model.layers[ctx.index].parameters())
+        seen.setdefault(keep, []).append((dense_layer is None, on_meta, ctx.dense_targets.data.clone()))
+        return _zero_first_rows(ctx)
+
+    for keep in (True, False):
+        sparse = load_model(str(tiny_llama_dir)).model
+        twin = LazyModel.open(tiny_llama_dir)
+        walk_layers(Lane(sparse, capture_layer_inputs(sparse, ids, CPU)), step, OPTS, paths=Paths.BOTH,
+                    dense=Lane(twin.model, loader=twin), dense_in_step=keep)
+        assert all(p.is_meta for p in twin.model.model.layers.parameters())
+    assert [s[:2] for s in seen[True]] == [(False, False)] * 2 and [s[:2] for s in seen[False]] == [(True, True)] * 2
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(seen[True], seen[False]))
