@@ -120,19 +120,25 @@ def bench_size(size: str, work: Path, threads: int, save, job: Workload = JOB, d
     for stage, cmd in stage_commands(dense, work, threads, job).items():
         if stage in rows or stage not in only:
             log.info("%s %-10s %s", size, stage, "measured before (--resume)" if stage in rows else "skipped (--stages)")
+            if stage in rows:  # the measurement is kept; the estimate is today's
+                rows[stage].update(_compare(rows[stage], estimates[stage], sizes))
             continue
         m = run_measured(cmd, work / f"{stage}.log")
-        est = estimates[stage]
-        m.update({"estimate_mib": round(est.host_bytes / MIB, 1), "estimate_terms_mib": {k: round(v / MIB, 1) for k, v in est.terms.items()},
-                  "estimate_error": round(est.host_bytes / MIB / m["peak_rss_mib"] - 1, 3),
-                  "estimate_device_mib": round(est.device_bytes / MIB, 1),
-                  "peak_per_layer": round(m["peak_rss_mib"] * MIB / sizes["layer_max"], 2),
-                  "peak_per_model": round(m["peak_rss_mib"] * MIB / sizes["total"], 3)})
+        m.update(_compare(m, estimates[stage], sizes))
         rows[stage] = m
         save(row)
         log.info("%s %-10s %7.1f s  peak %7.0f MiB  (estimate %7.0f MiB, %+.0f%%)", size, stage, m["wall_s"],
                  m["peak_rss_mib"], m["estimate_mib"], 100 * m["estimate_error"])
     return row
+
+
+def _compare(m: dict, est, sizes: dict) -> dict:
+    """The estimate for a measured stage `m`, its error, and the peak's ratios to one layer and to the model."""
+    return {"estimate_mib": round(est.host_bytes / MIB, 1), "estimate_terms_mib": {k: round(v / MIB, 1) for k, v in est.terms.items()},
+            "estimate_error": round(est.host_bytes / MIB / m["peak_rss_mib"] - 1, 3),
+            "estimate_device_mib": round(est.device_bytes / MIB, 1),
+            "peak_per_layer": round(m["peak_rss_mib"] * MIB / sizes["layer_max"], 2),
+            "peak_per_model": round(m["peak_rss_mib"] * MIB / sizes["total"], 3)}
 
 
 def table(results: dict) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from pathlib import Path
 from collections.abc import Iterator
 from typing import Any
@@ -51,9 +52,66 @@ def _read(where: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
         by_file.setdefault(where[n], []).append(n)
     out = {}
     for f, keys in by_file.items():
-        with safe_open(str(f), framework="pt") as handle:
-            for k in keys:
-                out[k] = handle.get_tensor(k).to(torch.float32)
+        out.update({k: v.to(torch.float32) for k, v in read_tensors(f, keys).items()})
+    return out
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _header(f) -> tuple[int, dict]:
+    """(byte offset of the data, JSON header) of the safetensors file open as `f`."""
+    (size,) = struct.unpack("<Q", f.read(8))
+    return 8 + size, json.loads(f.read(size))
+
+
+def copy_as_float32(src: Path, name: str, dst: Path, chunk_bytes: int = 16 * 2**20) -> int:
+    """Write tensor `name` of the safetensors file `src` as the only tensor of a new safetensors file
+    `dst`, in float32, `chunk_bytes` of the source at a time (an embedding matrix is never held
+    whole). Returns the bytes of tensor data written."""
+    with open(src, "rb") as f:
+        base, header = _header(f)
+        info = header[name]
+        if info["dtype"] not in _DTYPES or not _DTYPES[info["dtype"]].is_floating_point:
+            raise ModelError(f"{src}: tensor {name} has dtype {info['dtype']}; expected a floating-point weight")
+        dtype, (start, stop) = _DTYPES[info["dtype"]], info["data_offsets"]
+        nbytes = (stop - start) // dtype.itemsize * 4
+        head = json.dumps({name: {"dtype": "F32", "shape": info["shape"], "data_offsets": [0, nbytes]},
+                           "__metadata__": {"format": "pt"}}).encode()
+        head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        step = max(1, chunk_bytes // dtype.itemsize) * dtype.itemsize
+        f.seek(base + start)
+        with open(dst, "wb") as out:
+            out.write(struct.pack("<Q", len(head)) + head)
+            for pos in range(start, stop, step):
+                raw = torch.empty(min(step, stop - pos), dtype=torch.uint8)
+                f.readinto(memoryview(raw.numpy()))
+                out.write(memoryview(raw.view(dtype).to(torch.float32).numpy()))
+    return nbytes
+
+
+def read_tensors(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors `names` (default: all) of one safetensors file, read with plain file reads into fresh
+    CPU memory. safe_open's tensors are views of a file mapping whose pages count in the process's
+    RSS once touched, so copying them into a module held each weight twice at the peak; read
+    into its own buffer and assigned to the module (load_state_dict(assign=True)), a weight is in
+    memory once. The format: an 8-byte little-endian header length, a JSON header with each
+    tensor's dtype, shape and byte offsets, then the data."""
+    with open(path, "rb") as f:
+        base, header = _header(f)
+        out = {}
+        for name in names if names is not None else [k for k in header if k != "__metadata__"]:
+            info = header[name]
+            if info["dtype"] not in _DTYPES:
+                raise ModelError(f"{path}: tensor {name} has dtype {info['dtype']}, which this reader does not handle")
+            start, stop = info["data_offsets"]
+            raw = torch.empty(stop - start, dtype=torch.uint8)
+            f.seek(base + start)
+            if f.readinto(memoryview(raw.numpy())) != stop - start:
+                raise ModelError(f"{path} is truncated (tensor {name}); re-save the model")
+            out[name] = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
     return out
 
 
@@ -97,7 +155,7 @@ class LazyModel:
             _init_buffers(model, module)
         prefixes = tuple(f"{name}." for name in wanted)
         names = [n for n, _ in model.named_parameters() if n.startswith(prefixes) and n in self._where]
-        model.load_state_dict(self._read(names), strict=False)
+        model.load_state_dict(self._read(names), strict=False, assign=True)  # the read buffers become the weights
         if tied:
             model.tie_weights()
 
@@ -176,8 +234,7 @@ class LazyModel:
         trim_heap()  # what the previous layer freed goes back to the OS before this one is read
         spill = self._spill_path(i)
         if spill is not None and i in self._spilled:
-            with safe_open(str(spill), framework="pt") as handle:
-                return {k: handle.get_tensor(k) for k in handle.keys()}
+            return read_tensors(spill)
         prefix = f"model.layers.{i}."
         layer = layer if layer is not None else self.model.model.layers[i]
         names = [prefix + k for k in layer.state_dict()]
@@ -216,12 +273,8 @@ class LazyModel:
                 layer.to("meta")
             for j, name in enumerate(self._rest_names()):  # unchanged by every stage: copied from the source
                 shard = f"model-rest-{j:02d}.safetensors"
-                tensor = self.tensor(name).contiguous()
-                save_file({name: tensor}, str(tmp / shard), metadata={"format": "pt"})
+                total += copy_as_float32(self._where[name], name, tmp / shard)
                 weight_map[name] = shard
-                total += tensor.numel() * tensor.element_size()
-                del tensor
-                trim_heap()
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
             self.model.config.save_pretrained(tmp)
             if self.model.generation_config is not None:
@@ -266,7 +319,8 @@ def _init_buffers(model, module: torch.nn.Module) -> None:
 
 
 def _assign(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = layer.load_state_dict(state, strict=False)
+    """The tensors of `state` become the layer's weights (no copy: each weight is in memory once)."""
+    missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ModelError(f"layer weights do not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
