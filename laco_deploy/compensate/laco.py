@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,9 +116,10 @@ def needs_dense_layer(cfg: CompensateConfig) -> bool:
 
 
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
-              seed: int, meter: SegmentMeter, shard: distributed.Shard | None = None):
+              seed: int, meter: SegmentMeter, shard: distributed.Shard | None = None, scratch: Path | None = None):
     """The per-layer step for walk_layers: fit the layer, return its record. `split` holds global
-    sample indices; `shard` says which of them this rank's caches hold (torchrun)."""
+    sample indices; `shard` says which of them this rank's caches hold (torchrun). `scratch`: a
+    folder for the trainer's best-state snapshot (offload disk), else it stays in RAM."""
 
     def step(ctx: LayerContext) -> dict[str, Any]:
         meter.next()
@@ -130,7 +132,8 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
             dense = list(ctx.dense_layer.parameters()) if ctx.dense_layer is not None else []
             resident = list(ctx.layer.parameters()) + dense
             trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
-                                   ctx.device, seed + ctx.index, resident)
+                                   ctx.device, seed + ctx.index, resident,
+                                   scratch / "best_state.safetensors" if scratch is not None else None)
             refit = _refit(ctx, trainer, masks, cfg, split) if cfg.init == "lsq" else None
             record = trainer.fit(ctx.progress)
             if refit is not None:
@@ -164,7 +167,10 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     else:
         inputs = capture_layer_inputs(sparse_model, ids, device, offload=cfg.offload, workdir=checkpoint_dir)
     split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
-    step = make_step(cfg, targets, split, seed, meter, shard)
+    scratch = distributed.rank_dir(checkpoint_dir / "snapshot") if cfg.offload == "disk" else None
+    if scratch is not None:
+        scratch.mkdir(parents=True, exist_ok=True)
+    step = make_step(cfg, targets, split, seed, meter, shard, scratch)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):

@@ -22,9 +22,11 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import save_file
 from torch.utils.flop_counter import FlopCounterMode
 
 from laco_deploy import distributed, families
@@ -34,6 +36,8 @@ from laco_deploy.compensate.masks import apply_masks, mask_grads
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine.cache import ActivationCache
+from laco_deploy.engine.lazy import read_tensors
+from laco_deploy.fsutil import atomic_path
 
 
 @dataclass
@@ -116,8 +120,12 @@ class LayerTrainer:
     """Fits one layer in place. `fit()` returns the per-layer record (errors, steps, working set)."""
 
     def __init__(self, layer, data: LayerData, masks: dict[str, torch.Tensor], cfg: CompensateConfig,
-                 lr: float, device: torch.device, seed: int, resident: list[torch.Tensor]):
+                 lr: float, device: torch.device, seed: int, resident: list[torch.Tensor],
+                 snapshot_file: Path | None = None):
+        """snapshot_file: keep the best state in this file instead of in RAM (offload disk: one
+        layer less in memory while the optimizer state is; written and read back bit for bit)."""
         self.layer, self.data, self.masks, self.cfg = layer, data, masks, cfg
+        self.snapshot_file = snapshot_file
         self.lr, self.device, self.seed, self.resident = lr, device, seed, resident
         self.subblock = cfg.loss == "subblock"
         self.loss_fn = losses.get_loss(cfg.loss)
@@ -204,11 +212,18 @@ class LayerTrainer:
             sums = dict(zip(sums, distributed.all_reduce_floats(list(sums.values()))))
         return {k: v / max(1, len(idx)) for k, v in sums.items()}
 
-    def _snapshot(self) -> list[torch.Tensor]:
-        return [p.detach().to("cpu", copy=True) for p in self.params]
+    def _snapshot(self) -> list[torch.Tensor] | Path:
+        if self.snapshot_file is None:
+            return [p.detach().to("cpu", copy=True) for p in self.params]
+        with atomic_path(self.snapshot_file) as tmp:
+            save_file({str(i): p.detach().contiguous().cpu() for i, p in enumerate(self.params)}, str(tmp))
+        return self.snapshot_file
 
     @torch.no_grad()
-    def _restore(self, snap: list[torch.Tensor]) -> None:
+    def _restore(self, snap: list[torch.Tensor] | Path) -> None:
+        if isinstance(snap, Path):
+            saved = read_tensors(snap)
+            snap = [saved[str(i)] for i in range(len(self.params))]
         for p, s in zip(self.params, snap):
             p.copy_(s.to(p.device))
 
