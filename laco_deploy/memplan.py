@@ -145,7 +145,9 @@ def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     cache = job.compensate_samples * job.compensate_seqlen * w["hidden"] * FP32
     # the layer being trained: grads + AdamW moments + the mask, autograd activations, and the dense
     # twin where the step runs it (else the streamed twin leaves once its outputs are computed)
-    train = {"dense twin": w["layer_max"] if job.compensate_dense_twin else 0, "grads+adam+mask": 3 * w["layer_max"] + w["layer_max"] // 4,
+    train = {"dense twin": w["layer_max"] if job.compensate_dense_twin else 0,
+             "grads+adam+mask": 3 * w["layer_max"] + w["layer_max"] // 4,
+             "adam step": 2 * w["linear_max"],  # AdamW's per-tensor temporaries (sqrt, then the denominator)
              "batch": 2 * _layer_batch(w, job.compensate_batch * job.compensate_seqlen)}
     process = {"process": PROCESS_BYTES["compensate"]}
     device = {"layer": w["layer_max"], **train}
