@@ -28,10 +28,9 @@ from laco_deploy.engine import (
     LayerCheckpoints,
     LayerContext,
     LayerLoader,
-    LazyModel,
     Paths,
     WalkOptions,
-    capture_layer_inputs,
+    capture_inputs,
     walk_layers,
 )
 from laco_deploy.engine.cache import ActivationCache
@@ -161,11 +160,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     # torchrun: each rank embeds and walks its own shard; the split is over all samples
     shard = distributed.shard(input_ids.shape[0])
-    ids = input_ids[shard.start:shard.stop]
-    if isinstance(layer_loader, LazyModel):  # streamed: its embedding is read for this and dropped
-        inputs = layer_loader.capture(ids, device, cfg.offload, checkpoint_dir)
-    else:
-        inputs = capture_layer_inputs(sparse_model, ids, device, offload=cfg.offload, workdir=checkpoint_dir)
+    inputs = capture_inputs(sparse_model, layer_loader, input_ids[shard.start:shard.stop], device, cfg.offload,
+                            checkpoint_dir)
     split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
     scratch = distributed.rank_dir(checkpoint_dir / "snapshot") if cfg.offload == "disk" else None
     if scratch is not None:

@@ -7,7 +7,7 @@ stay on CPU and activations live in an ActivationCache on CPU or memory-mapped o
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.engine.checkpoint import LayerCheckpoints
-from laco_deploy.engine.lazy import LazyModel
+from laco_deploy.engine.lazy import LazyModel, capture_inputs
 from laco_deploy.engine.walk import Lane, LayerContext, LayerLoader, Paths, WalkOptions, walk_layers
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "LazyModel",
     "Paths",
     "WalkOptions",
+    "capture_inputs",
     "capture_layer_inputs",
     "walk_layers",
 ]

@@ -20,8 +20,8 @@ import torch
 
 from laco_deploy import families
 from laco_deploy.engine.cache import ActivationCache
-from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
-from laco_deploy.engine.lazy import LazyModel
+from laco_deploy.engine.capture import LayerInputs
+from laco_deploy.engine.lazy import LazyModel, capture_inputs
 from laco_deploy.engine.walk import call_layer
 from laco_deploy.models import decoder_layers
 from laco_deploy.progress import progress_bar
@@ -58,12 +58,9 @@ def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *,
     `load_resident(path)`, the one case where a full model sits in memory.
     """
     path = Path(path)
-    if any(path.glob("*.safetensors")) or load_resident is None:
-        lazy = LazyModel.open(path, rest=False)
-        return ModelStream(lazy.model, lazy.capture(input_ids, device, offload, workdir), lazy)
-    model = load_resident(path)
-    inputs = capture_layer_inputs(model, input_ids, device, offload=offload, workdir=workdir)
-    return ModelStream(model, inputs, None)
+    lazy = LazyModel.open(path, rest=False) if any(path.glob("*.safetensors")) or load_resident is None else None
+    model = lazy.model if lazy is not None else load_resident(path)
+    return ModelStream(model, capture_inputs(model, lazy, input_ids, device, offload, workdir), lazy)
 
 
 @torch.no_grad()

@@ -294,6 +294,15 @@ class LazyModel:
         return names
 
 
+def capture_inputs(model, loader: Any, input_ids: torch.Tensor, device: torch.device, offload: str = "cpu",
+                   workdir: Path | None = None) -> LayerInputs:
+    """Layer-0 inputs of input_ids [n, seq] for the model a stage walks: a streamed model (`loader` a
+    LazyModel) reads its embedding matrix only for this (LazyModel.capture); a resident one embeds in place."""
+    if isinstance(loader, LazyModel):
+        return loader.capture(input_ids, device, offload, workdir)
+    return capture_layer_inputs(model, input_ids, device, offload=offload, workdir=workdir)
+
+
 def skeleton(config) -> torch.nn.Module:
     """The causal LM of `config` on `meta` (no memory), decoder layers at their per-layer widths."""
     from transformers import AutoModelForCausalLM

@@ -26,7 +26,7 @@ from laco_deploy.config import (
     PruneConfig,
     to_dict,
 )
-from laco_deploy.engine import Lane, LayerCheckpoints, LazyModel, WalkOptions, capture_layer_inputs, walk_layers
+from laco_deploy.engine import Lane, LayerCheckpoints, LazyModel, WalkOptions, capture_inputs, walk_layers
 from laco_deploy.errors import ConfigError
 from laco_deploy.memory import measure
 from laco_deploy.models import (
@@ -110,10 +110,7 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
     In a torchrun job each rank captures its own shard of the samples (statistics are summed)."""
     part = distributed.shard(ids.shape[0])
     ids = ids[part.start:part.stop]
-    if src.lazy is not None:  # the embedding is read for this and dropped: pruning needs nothing else outside the layers
-        inputs = src.lazy.capture(ids, device, prune_cfg.offload, ckpt)
-    else:
-        inputs = capture_layer_inputs(src.model, ids, device, offload=prune_cfg.offload, workdir=ckpt)
+    inputs = capture_inputs(src.model, src.lazy, ids, device, prune_cfg.offload, ckpt)
     ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=prune_cfg.batch_size,
                               cache_file=ckpt / "owl.json", resume=resume,
                               loader=src.lazy.without_spill() if src.lazy is not None else None)
