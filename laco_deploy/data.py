@@ -29,6 +29,9 @@ IN_DOMAIN_LABEL = "wikipedia"  # what `builtin` evaluation text is, in reports
 _BUILTIN_FILES = {"calib": "calibration.txt", "eval": "evaluation.txt"}
 # calibration-only builtin mixes: name -> files read in order (the Wikipedia calibration articles first)
 CALIB_MIXES = {"mixed": ("calibration.txt", "calibration_code.jsonl")}
+# evaluation texts whose genre a builtin mix calibrates on (other documents of it): reports count them
+# in-domain, so out-of-domain means a genre calibration never saw
+MIX_GENRES = {"mixed": (BUILTIN, f"{BUILTIN}:code")}
 
 
 def builtin_path(role: str) -> Path:
@@ -59,6 +62,15 @@ def shipped_domains() -> list[str]:
     """Names of the out-of-domain evaluation texts shipped in data/domains/ (sorted): fiction, techdoc, code."""
     folder = _domains_dir()
     return sorted(p.stem for p in folder.glob("*.jsonl")) if folder.is_dir() else []
+
+
+def in_domain(eval_spec: str, calib_spec: str) -> bool:
+    """Whether evaluation text `eval_spec` is of a genre the calibration `calib_spec` covers: the same
+    spec, or a genre of a builtin mix (builtin:mixed calibrates on Wikipedia and Python source)."""
+    if eval_spec == calib_spec:
+        return True
+    name = calib_spec.split(":", 1)[1] if calib_spec.startswith(BUILTIN + ":") else None
+    return eval_spec in MIX_GENRES.get(name, ())
 
 
 def eval_specs(spec: str) -> list[str]:

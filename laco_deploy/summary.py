@@ -87,7 +87,7 @@ def domain_lines(summary: dict[str, Any]) -> list[str]:
         rows.append([label] + cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["perplexity by evaluation domain (PyTorch / exported model; % = share of the pruned-to-dense gap closed;",
-             "in = the calibration domain, out = text never seen in calibration)"]
+             "in = a genre the calibration text covers, out = a genre calibration never saw)"]
     for n, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
         if n == 0:

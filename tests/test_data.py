@@ -128,3 +128,15 @@ def test_builtin_mixed_reuse_key_hashes_both_files():
 
     mixed, wiki = data_fingerprint("builtin:mixed", "calib"), data_fingerprint("builtin", "calib")
     assert mixed.startswith(wiki + ":") and len(mixed) == 2 * len(wiki) + 1
+
+
+def test_in_domain_is_the_genres_calibration_covers():
+    """Reports call a text in-domain when calibration covers its genre: builtin:mixed holds Wikipedia
+    and Python source, so the code text counts as in-domain there and fiction/techdoc stay out."""
+    from laco_deploy.data import eval_specs, in_domain
+
+    specs = eval_specs("domains")
+    assert [s for s in specs if in_domain(s, "builtin")] == ["builtin"]
+    assert [s for s in specs if in_domain(s, "builtin:mixed")] == ["builtin", "builtin:code"]
+    assert [s for s in specs if in_domain(s, "my_notes.txt")] == []
+    assert in_domain("my_notes.txt", "my_notes.txt")

@@ -13,7 +13,7 @@ from laco_deploy import __version__
 from laco_deploy.cli import flags, output
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
-from laco_deploy.config import PRUNE_METHODS, BuildConfig, to_dict
+from laco_deploy.config import PRUNE_METHODS, BuildConfig, DataConfig, to_dict
 from laco_deploy.errors import GateFailed
 from laco_deploy.fsutil import check_writable
 from laco_deploy.presets import help_text as preset_help
@@ -34,7 +34,7 @@ def build_command(
     pattern: Annotated[Optional[str], Opt("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 (replaces --sparsity).", show_default=False)] = None,
     structured: Annotated[Optional[float], Opt("--structured", help="Share of FFN channels and head groups removed physically, e.g. 0.3 (smaller, faster model).", show_default=False)] = None,
     recover: Annotated[Optional[str], Opt("--recover", help=f"Recovery after pruning: laco, lora or none. (default: {_B.compensate.method})", show_default=False)] = None,
-    calib: Annotated[Optional[str], Opt("--calib", help="Calibration text: builtin, .txt/.jsonl file, hf:NAME[:CONFIG][:SPLIT]. (default: builtin)", show_default=False)] = None,
+    calib: Annotated[Optional[str], Opt("--calib", help=f"Calibration text: builtin:mixed (Wikipedia + Python source), builtin (Wikipedia only), a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]; use your deployment's kind of text where you have it. (default: {DataConfig.calib})", show_default=False)] = None,
     eval_: Annotated[Optional[str], Opt("--eval", help="Evaluation texts, never used for calibration, comma-separated; each reported as its own domain. (default: domains = builtin Wikipedia + shipped fiction, techdoc, code)", show_default=False)] = None,
     samples: Annotated[Optional[int], Opt("--samples", help=f"Calibration samples. (default: {_B.data.samples})", show_default=False)] = None,
     seqlen: Annotated[Optional[int], Opt("--seqlen", help=f"Tokens per sample / evaluation window. (default: {_B.data.seqlen})", show_default=False)] = None,

@@ -28,7 +28,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Dense model: a Hug
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Where layers run: auto (CUDA when present), cpu, cuda or cuda:N.")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled *.bin weights (can run code on load; only for sources you trust).")]
 CalibOpt = Annotated[str, typer.Option("--calib", help="Calibration text: builtin (Wikipedia), builtin:mixed (Wikipedia + Python source), a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")]
-EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation texts (never used for calibration), comma-separated: 'domains' (builtin Wikipedia, in-domain, plus the shipped fiction, techdoc and code texts, out-of-domain), builtin, builtin:fiction|techdoc|code, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]. Each is reported as its own domain.")]
+EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation texts (never used for calibration), comma-separated: 'domains' (builtin Wikipedia plus the shipped fiction, techdoc and code texts; in-domain where calibration covers the genre: builtin:mixed covers Wikipedia and code), builtin, builtin:fiction|techdoc|code, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]. Each is reported as its own domain.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of calibration samples.")]
 SeqlenOpt = Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample and evaluation window.")]
 EvalSamplesOpt = Annotated[int, typer.Option("--eval-samples", help="Evaluation windows of --seqlen tokens, per evaluation domain.")]

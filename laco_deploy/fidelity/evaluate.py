@@ -28,7 +28,7 @@ from laco_deploy import distributed
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
-from laco_deploy.data import check_texts, eval_domains, evaluation_windows
+from laco_deploy.data import check_texts, eval_domains, evaluation_windows, in_domain
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
@@ -211,7 +211,7 @@ def run(
         passed=all(g["passed"] for g in gates),
         settings={"eval": data_cfg.eval, "eval_samples": data_cfg.eval_samples, "windows": int(windows.shape[0]),
                   "domains": [{"label": label, "spec": spec, "windows": int(per_domain[label].shape[0]),
-                               "in_domain": spec == data_cfg.calib} for label, spec in domains],
+                               "in_domain": in_domain(spec, data_cfg.calib)} for label, spec in domains],
                   "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(windows), "device": str(device),
                   "fidelity": to_dict(fid_cfg), "model": to_dict(model_cfg)},
         versions=versions(),

@@ -94,7 +94,7 @@ def _domain_markdown(data: dict[str, Any]) -> list[str]:
     head, rows = domain_rows(data)
     if not rows:
         return []
-    return ["", "Per evaluation domain (calibration text is in-domain; the others were never seen in calibration):", "",
+    return ["", "Per evaluation domain (in-domain: a genre the calibration text covers, never the same documents; out-of-domain: a genre calibration never saw):", "",
             "| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)] + ["| " + " | ".join(r) + " |" for r in rows]
 
 
@@ -184,7 +184,7 @@ def html_page(data: dict[str, Any]) -> str:
              html_table(_HEAD, table_rows(data), range(2, 10))]
     d_head, d_rows = domain_rows(data)
     if d_rows:
-        parts += ["<h2>Per evaluation domain</h2><p>The calibration text is in-domain; the others were never seen in calibration.</p>",
+        parts += ["<h2>Per evaluation domain</h2><p>In-domain: a genre the calibration text covers (never the same documents); out-of-domain: a genre calibration never saw.</p>",
                   html_table(d_head, d_rows, range(1, len(d_head)))]
     if data["gates"]:
         parts.append("<ul>" + "".join(f"<li class='{'pass' if g['passed'] else 'fail'}'>{esc(gate_message(g))}</li>"
