@@ -12,8 +12,9 @@ only; dense also at --dense-quants (the equal-file-size comparison).
 Everything is cached in --work (models, exports, one JSON per measured cell), so an interrupted
 run resumes where it stopped; --reuse LABEL=DIR (a model) or LABEL@TYPE=FILE (an export) takes
 existing results instead of building them. The full grid takes hours on 2 cores; --quick is the
-reduced profile (dense + structured 30% FFN+heads and Wanda 50%, each pruned / +LaCo /
-+QA-LaCo q4_k_m, at F16, Q8_0, Q4_K_M on llama.cpp; explicit flags override it).
+reduced profile (dense + structured 30% of FFN channels, 30% of FFN channels and KV head groups, and
+Wanda 50%, each pruned / +LaCo / +QA-LaCo q4_k_m, at F16, Q8_0, Q4_K_M on llama.cpp and fp32, int8 on
+onnxruntime; 3 speed rounds; explicit flags override it): 85 minutes on 2 cores.
 
     OMP_NUM_THREADS=1 python benchmarks/frontier_bench.py --quick --work /tmp/frontier
 """
@@ -40,9 +41,9 @@ PROFILES = {
     "full": {"ratios": "0.2,0.3,0.5", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50,2:4",
              "qa_quants": "q4_k_m,int8", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q5_k_m,q6_k",
              "repetitions": 3, "speed_rounds": 0, "n_prompt": 512, "n_gen": 128, "ppl_ctx": 512, "ppl_windows": 8, "fid_windows": 8},
-    "quick": {"ratios": "0.3", "targets_sets": "all", "variants": "pruned,laco,qa", "unstructured": "wanda50",
-              "qa_quants": "q4_k_m", "quants": "f16,q8_0,q4_k_m", "dense_quants": "q5_k_m,q6_k",
-              "repetitions": 2, "speed_rounds": 2, "n_prompt": 128, "n_gen": 32, "ppl_ctx": 256, "ppl_windows": 4, "fid_windows": 2},
+    "quick": {"ratios": "0.3", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50",
+              "qa_quants": "q4_k_m", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q5_k_m,q6_k",
+              "repetitions": 2, "speed_rounds": 3, "n_prompt": 128, "n_gen": 32, "ppl_ctx": 256, "ppl_windows": 4, "fid_windows": 2},
 }
 
 

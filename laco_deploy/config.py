@@ -21,6 +21,7 @@ DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
 LOSSES = ("mse", "nmse", "cos_mse", "subblock")
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FFN_LINEARS = ("gate_proj", "up_proj", "down_proj")  # structured pruning of FFN channels only
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 # compensate.quant_aware: export types whose weights LaCo trains through (compensate/fakequant.py)
 QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "int8")

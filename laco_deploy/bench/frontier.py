@@ -15,13 +15,12 @@ import html
 from dataclasses import dataclass
 from typing import Any
 
-from laco_deploy.config import PRUNABLE_LINEARS, PruneConfig
+from laco_deploy.config import FFN_LINEARS, PRUNABLE_LINEARS, PruneConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.targets import TARGETS, Target
 
 DENSE = "dense"
-FFN = ("gate_proj", "up_proj", "down_proj")
-TARGET_SETS = {"ffn": FFN, "all": PRUNABLE_LINEARS}  # --targets-sets: FFN channels only, or FFN + KV head groups
+TARGET_SETS = {"ffn": FFN_LINEARS, "all": PRUNABLE_LINEARS}  # --targets-sets: FFN channels only, or FFN + KV head groups
 UNSTRUCTURED = {"wanda50": PruneConfig(method="wanda", sparsity=0.5), "2:4": PruneConfig(method="wanda", pattern="2:4")}
 VARIANTS = ("pruned", "laco", "qa")
 

@@ -16,7 +16,7 @@ def test_plan_orders_families_and_restricts_qa_to_its_type():
     assert [s.label for s in specs] == ["dense", "s30-all", "s30-all+laco", "s30-all+qa-q4_k_m", "s30-ffn", "s30-ffn+laco",
                                         "s30-ffn+qa-q4_k_m", "wanda50", "wanda50+laco", "wanda50+qa-q4_k_m"]
     by_label = {s.label: s for s in specs}
-    assert by_label["s30-ffn"].prune.targets == F.FFN and by_label["s30-ffn"].prune.structured == 0.3
+    assert by_label["s30-ffn"].prune.targets == F.TARGET_SETS["ffn"] and by_label["s30-ffn"].prune.structured == 0.3
     assert by_label["s30-all+qa-q4_k_m"].base == "s30-all" and by_label["s30-all+qa-q4_k_m"].quant_aware == "q4_k_m"
     cells = F.plan_cells(specs, ["f16", "q4_k_m"], ["q6_k"])
     assert ("s30-all+qa-q4_k_m", "q4_k_m") in cells and ("s30-all+qa-q4_k_m", "f16") not in cells
