@@ -24,6 +24,7 @@ from laco_deploy.cli import flags, helptext, stages  # noqa: F401
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import err_console, state
 from laco_deploy.errors import LacoError
+from laco_deploy.memory import map_large_allocations
 
 helptext.attach(app)
 
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     global _terminated
     _terminated = False
     args = sys.argv[1:] if argv is None else argv
+    map_large_allocations()  # before any model is read: freed stages must leave the footprint
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if on_main_thread else None
     try:
