@@ -46,7 +46,7 @@ def builtin_files(spec: str, role: str) -> list[Path]:
     """The shipped files a builtin spec reads (for fingerprints); [] when `spec` is not builtin."""
     if spec == BUILTIN:
         return [builtin_path(role)]
-    name = spec.split(":", 1)[1] if spec.startswith(BUILTIN + ":") else None
+    name = _builtin_name(spec)
     if name in CALIB_MIXES:
         return [_builtin_file(f) for f in CALIB_MIXES[name]]
     if name in shipped_domains():
@@ -67,10 +67,12 @@ def shipped_domains() -> list[str]:
 def in_domain(eval_spec: str, calib_spec: str) -> bool:
     """Whether evaluation text `eval_spec` is of a genre the calibration `calib_spec` covers: the same
     spec, or a genre of a builtin mix (builtin:mixed calibrates on Wikipedia and Python source)."""
-    if eval_spec == calib_spec:
-        return True
-    name = calib_spec.split(":", 1)[1] if calib_spec.startswith(BUILTIN + ":") else None
-    return eval_spec in MIX_GENRES.get(name, ())
+    return eval_spec == calib_spec or eval_spec in MIX_GENRES.get(_builtin_name(calib_spec), ())
+
+
+def _builtin_name(spec: str) -> str | None:
+    """NAME of a `builtin:NAME` spec, else None."""
+    return spec.split(":", 1)[1] if spec.startswith(BUILTIN + ":") else None
 
 
 def eval_specs(spec: str) -> list[str]:

@@ -55,9 +55,14 @@ def trim_heap() -> None:
     """Hand the free pages inside the heap back to the OS (glibc's malloc_trim). Layers loaded and
     released one after another leave freed blocks between live ones; without this the footprint of
     a streamed walk grew ~4 MiB per layer on SmolLM2-135M (+124 MiB over its 30 layers)."""
+    _glibc("malloc_trim", 0)
+
+
+def _glibc(function: str, *args: int) -> None:
+    """Call a glibc malloc tuning function; elsewhere (or without glibc) do nothing."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            getattr(ctypes.CDLL("libc.so.6"), function)(*args)
         except (OSError, AttributeError):
             pass
 
@@ -73,11 +78,8 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> None:
     the default build's fidelity stage peaked 350 MiB higher for it. A fixed 1 MiB threshold fixed
     that too but made the build 20% slower (page faults on every step's tensors); 16 MiB leaves
     those on the heap. Respects MALLOC_MMAP_THRESHOLD_ when the user set it."""
-    if sys.platform.startswith("linux") and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
-        except (OSError, AttributeError):
-            pass
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        _glibc("mallopt", _M_MMAP_THRESHOLD, threshold)
 
 
 def release_memory() -> None:
