@@ -14,7 +14,7 @@ from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
 from laco_deploy.data import evaluation_windows
 from laco_deploy.models import load_model
 
-DATA = DataConfig(samples=16, seqlen=32, seed=0)
+DATA = DataConfig(calib="builtin", samples=16, seqlen=32, seed=0)  # the text these margins were set on
 
 
 def _cfg(**kw) -> CompensateConfig:

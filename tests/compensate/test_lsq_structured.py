@@ -17,7 +17,7 @@ def heads_and_ffn_dir(tiny_llama_dir, tmp_path_factory):
     from laco_deploy.prune import run as prune
 
     out = tmp_path_factory.mktemp("structured") / "s50"
-    prune(ModelConfig(model=str(tiny_llama_dir)), DataConfig(samples=8, seqlen=32), PruneConfig(structured=0.5), out,
+    prune(ModelConfig(model=str(tiny_llama_dir)), DataConfig(calib="builtin", samples=8, seqlen=32), PruneConfig(structured=0.5), out,
           device=torch.device("cpu"))
     return out
 

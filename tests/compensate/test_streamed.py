@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from laco_deploy.compensate import run, streamed
 from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig
 
-DATA = DataConfig(samples=12, seqlen=32, seed=0)
+DATA = DataConfig(calib="builtin", samples=12, seqlen=32, seed=0)
 
 
 def _cfg(**kw) -> CompensateConfig:
