@@ -32,12 +32,28 @@ def apply_masks(layer: torch.nn.Module, masks: dict[str, torch.Tensor]) -> None:
         layer.get_submodule(name).weight.masked_fill_(~mask, 0.0)
 
 
-def mask_grads(layer: torch.nn.Module, masks: dict[str, torch.Tensor]) -> None:
-    """Zero the gradient of masked-out weights so optimizer moments never see them."""
-    for name, mask in masks.items():
-        grad = layer.get_submodule(name).weight.grad
-        if grad is not None:
-            grad.masked_fill_(~mask, 0.0)
+class MaskFactors:
+    """A layer's masks as 0/1 factors in the weights' dtype, for the writes after every training step.
+
+    Multiplying is ~10x cheaper than masked_fill_ on CPU (0.16 vs 1.7 ms for a 1536x576 matrix,
+    measured), and at batch 2 the per-step masking was a quarter of LaCo's training time.
+    """
+
+    def __init__(self, layer: torch.nn.Module, masks: dict[str, torch.Tensor]):
+        self.pairs = [(lin.weight, masks[name].to(lin.weight.dtype)) for name, lin in
+                      ((name, layer.get_submodule(name)) for name in masks)]
+
+    def zero_grads(self) -> None:
+        """Zero the gradient of masked-out weights so optimizer moments never see them."""
+        for weight, keep in self.pairs:
+            if weight.grad is not None:
+                weight.grad.mul_(keep)
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Write +0.0 into every masked-out weight: w * 0 may be -0.0, and -0.0 + 0.0 is +0.0."""
+        for weight, keep in self.pairs:
+            weight.mul_(keep).add_(0.0)
 
 
 def masked_merge(weight: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, int]:

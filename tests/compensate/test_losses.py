@@ -8,7 +8,7 @@ import torch
 
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.budget import resolve_budget
-from laco_deploy.compensate.masks import apply_masks, masked_merge, weight_mask
+from laco_deploy.compensate.masks import MaskFactors, apply_masks, masked_merge, weight_mask
 from laco_deploy.compensate.train import cosine_lr, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig, DataConfig
@@ -77,6 +77,23 @@ def test_masks_keep_positive_zero_bits():
     assert torch.equal(lin.weight != 0, mask)
     zeros = lin.weight[~mask]
     assert not torch.signbit(zeros).any()  # +0.0, bit-identical to the pruned zeros
+
+
+def test_mask_factors_zero_grads_and_write_positive_zeros():
+    w = torch.tensor([[1.0, 0.0, -2.0], [0.0, 3.0, 0.0]])
+    mask = weight_mask(w)
+    holder = torch.nn.Module()
+    holder.proj = torch.nn.Linear(3, 2, bias=False)
+    with torch.no_grad():
+        holder.proj.weight.copy_(torch.tensor([[5.0, -7.0, 1.0], [-1.0, 2.0, -3.0]]))  # negatives where masked
+    holder.proj.weight.grad = torch.full((2, 3), -0.5)
+    factors = MaskFactors(holder, {"proj": mask})
+    factors.zero_grads()
+    assert torch.equal(holder.proj.weight.grad != 0, mask)
+    factors.apply()
+    assert torch.equal(holder.proj.weight != 0, mask)
+    assert torch.equal(holder.proj.weight[mask], torch.tensor([5.0, 1.0, 2.0]))
+    assert not torch.signbit(holder.proj.weight[~mask]).any()  # -7 * 0 is -0.0; the write makes it +0.0
 
 
 def test_masked_merge_counts_lost_zeros():
