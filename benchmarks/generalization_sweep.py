@@ -49,6 +49,12 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "s64e2_lsq": (64, 128, {"epochs": 2, "init": "lsq"}),
     "base_lsq": (32, 128, {"init": "lsq"}),
     "base_anchor100": (32, 128, {"anchor_decay": 100.0}),
+    "s256": (256, 128, {}),  # the CPU default since builtin:mixed calibration
+    "s256_bf16": (256, 128, {"precision": "bf16"}),
+    "s512_bf16": (512, 128, {"precision": "bf16"}),
+    "s256_bs4_bf16": (256, 128, {"precision": "bf16", "batch_size": 4, "lr": 4.24e-3}),
+    "s1024_bf16": (1024, 128, {"precision": "bf16"}),
+    "s256_fp32": (256, 128, {"precision": "fp32"}),
 }
 
 

@@ -1,7 +1,7 @@
 """Achieved compute throughput, reported against a matmul measured in the same run.
 
 Absolute times on a shared machine say little; the ratio of a stage's achieved GFLOP/s to what
-a plain fp32 matmul reaches on the same device, at the same moment, says how much of the
+a plain matmul (in the stage's compute dtype) reaches on the same device, at the same moment, says how much of the
 hardware the stage used (and so whether it is compute-bound or wasting time elsewhere).
 """
 
@@ -12,11 +12,12 @@ import time
 import torch
 
 
-def matmul_gflops(device: torch.device, n: int = 1024, repeats: int = 5) -> float:
-    """Best-of-`repeats` fp32 GFLOP/s of an n x n matmul on `device` (2 n^3 FLOPs each)."""
+def matmul_gflops(device: torch.device, n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-`repeats` GFLOP/s of an n x n matmul in `dtype` on `device` (2 n^3 FLOPs each);
+    a stage that computes in bf16 is compared with a bf16 matmul."""
     gen = torch.Generator().manual_seed(0)
-    a = torch.randn(n, n, generator=gen).to(device)
-    b = torch.randn(n, n, generator=gen).to(device)
+    a = torch.randn(n, n, generator=gen).to(device, dtype)
+    b = torch.randn(n, n, generator=gen).to(device, dtype)
     best = float("inf")
     for _ in range(repeats + 1):  # the first call warms up kernels and caches
         if device.type == "cuda":

@@ -63,6 +63,7 @@ def compensate_command(
     anchor_decay: Annotated[float, typer.Option("--anchor-decay", help="LaCo: after each step pull the weights back towards the pruned ones by lr * this * (w - w_pruned); limits drift from what pruning left, a regularizer for text unlike the calibration data (0: off).")] = _C.anchor_decay,
     dense_input_mix: Annotated[float, typer.Option("--dense-input-mix", help="LaCo: share of training samples fed the dense model's input to the layer instead of the compensated sparse path's (both have the same dense target); more varied inputs per layer (0: off).")] = _C.dense_input_mix,
     quant_aware: Annotated[Optional[str], typer.Option("--quant-aware", help="LaCo: train through the weights as this export type will store them (fake quantization with a straight-through gradient), so LaCo repairs the quantization error too: q8_0, q4_k_m, q6_k (GGUF, llama.cpp's per-tensor types), q4_k (Q4_K blocks everywhere) or int8 (ONNX). Default: off.")] = None,
+    precision: Annotated[str, typer.Option("--precision", help="Compute precision of the training steps: auto (bf16 autocast on CUDA, fp32 on CPU), fp32, or bf16 (autocast; fast on CPUs with AMX or AVX512-BF16). Weights, optimizer state and activations stay fp32.")] = _C.precision,
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Held-out share of calibration samples for early stopping (0: none).")] = _C.val_fraction,
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
@@ -86,7 +87,7 @@ def compensate_command(
     ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
                             batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
                             trainable=trainable, correction_rank=correction_rank,
-                            anchor_decay=anchor_decay, dense_input_mix=dense_input_mix, quant_aware=quant_aware,
+                            anchor_decay=anchor_decay, dense_input_mix=dense_input_mix, quant_aware=quant_aware, precision=precision,
                             val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())

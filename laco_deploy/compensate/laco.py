@@ -21,7 +21,7 @@ from laco_deploy import distributed
 from laco_deploy.compensate import lsq
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
-from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, split_indices
+from laco_deploy.compensate.train import LayerData, LayerTrainer, amp_dtype, layer_forward, split_indices
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine import (
     Lane,
@@ -171,7 +171,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
-                              WalkOptions(device, cfg.batch_size, "LaCo"), paths=Paths.BOTH,
+                              WalkOptions(device, cfg.batch_size, "LaCo", amp_dtype(device, cfg.precision)), paths=Paths.BOTH,
                               dense=Lane(dense_model, loader=dense_loader),
                               checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume),
                               dense_in_step=needs_dense_layer(cfg))

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from laco_deploy import families
 from laco_deploy.compensate.masks import masked_merge
-from laco_deploy.compensate.train import autocast_ctx, amp_dtype, cosine_lr, split_indices
+from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig
 
@@ -69,10 +69,10 @@ def _lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _evaluate(model, ids: torch.Tensor, batch_size: int, device: torch.device) -> float:
+def _evaluate(model, ids: torch.Tensor, batch_size: int, device: torch.device, precision: str) -> float:
     total = 0.0
     for chunk in ids.split(batch_size):
-        with autocast_ctx(device):
+        with autocast_ctx(device, precision):
             total += float(_lm_loss(model, chunk.to(device))) * len(chunk)
     return total / max(1, len(ids))
 
@@ -82,8 +82,8 @@ class _Steps:
 
     def __init__(self, peft_model, params, resident, cfg: CompensateConfig, device: torch.device, n_train: int):
         self.model, self.params, self.resident, self.cfg, self.device = peft_model, params, resident, cfg, device
-        self.opt = torch.optim.AdamW(params, lr=cfg.lora_lr, weight_decay=cfg.weight_decay)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device) is torch.float16)
+        self.opt = make_adamw(params, cfg.lora_lr, cfg.weight_decay, device)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, cfg.precision) is torch.float16)
         self.total = max(1, math.ceil(math.ceil(n_train / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
         self.warmup, self.step, self.working_set = int(self.total * cfg.warmup_fraction), 0, None
         self.sample_flops, self.samples_seen = 0.0, 0  # training FLOPs per sample, counted on the first step
@@ -91,12 +91,12 @@ class _Steps:
     def _backward(self, ids: torch.Tensor) -> None:
         """Loss and backward of one micro-batch; the first also measures the working set and FLOPs."""
         if self.working_set is not None:
-            with autocast_ctx(self.device):
+            with autocast_ctx(self.device, self.cfg.precision):
                 loss = _lm_loss(self.model, ids)
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
             return
         with FlopCounterMode(display=False) as flops:
-            with count_saved(self.resident) as meter, autocast_ctx(self.device):
+            with count_saved(self.resident) as meter, autocast_ctx(self.device, self.cfg.precision):
                 loss = _lm_loss(self.model, ids)
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
         self.sample_flops = flops.get_total_flops() / len(ids)
@@ -125,13 +125,13 @@ def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, devic
     peft_model.to(device)
     peft_model.train()
     steps = _Steps(peft_model, params, list(peft_model.parameters()), cfg, device, len(train_idx))
-    before = _evaluate(peft_model, watch, cfg.batch_size, device)
+    before = _evaluate(peft_model, watch, cfg.batch_size, device, cfg.precision)
     best, best_state, best_epoch, bad, history = before, [p.detach().cpu().clone() for p in params], 0, 0, []
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
         steps.epoch(input_ids, train_idx[torch.randperm(len(train_idx), generator=gen)])
-        val = _evaluate(peft_model, watch, cfg.batch_size, device)
+        val = _evaluate(peft_model, watch, cfg.batch_size, device, cfg.precision)
         history.append(round(val, 5))
         if val < best:
             best, best_state, best_epoch, bad = val, [p.detach().cpu().clone() for p in params], epoch, 0

@@ -82,7 +82,7 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         notes.append(f"mean layer nmse {nb:.4g} -> {na:.4g} ({records[0]['measured_on']} samples)")
     if speed is not None:
         notes.append(f"training throughput {speed['achieved_gflops']:.1f} GFLOP/s ({speed['gflop']:.0f} GFLOP in "
-                     f"{speed['seconds']:.0f} s of training steps), {speed['share_of_matmul']:.0%} of a fp32 matmul "
+                     f"{speed['seconds']:.0f} s of training steps), {speed['share_of_matmul']:.0%} of a {cfg.precision} matmul "
                      f"measured in this run ({speed['matmul_gflops']:.0f} GFLOP/s)")
     if lora_record:
         m = lora_record["merge"]

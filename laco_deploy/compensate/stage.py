@@ -6,6 +6,7 @@ Lifecycle only: budget resolution (budget.py), the layer loop (laco.py), the LoR
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -21,6 +22,7 @@ from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.compensate import laco, lora, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
 from laco_deploy.compensate.masks import dense_numel
+from laco_deploy.compensate.train import amp_dtype, resolve_precision
 from laco_deploy.compensate.record import config_summary, result_record, sparsity_document
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
@@ -113,6 +115,9 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         return _copy_only(sparse_dir, out_dir, comp_cfg)
     device = device if device is not None else resolve_device(model_cfg.device)
     budget = resolve_budget(comp_cfg, data_cfg, device)
+    comp_cfg = dataclasses.replace(comp_cfg, precision=resolve_precision(comp_cfg.precision, device))
+    log.info("training computes in %s%s", comp_cfg.precision,
+             "" if comp_cfg.precision == "fp32" else " (autocast; weights, optimizer state and activations stay fp32)")
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
     ckpt = checkpoint_dir(out_dir)
     run_cfg = streamed.resolve_offload(comp_cfg, sparse_dir, budget.samples * budget.seqlen)
@@ -125,7 +130,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     before = streamed.sparsity(models.sparse, models.sparse_lazy, targets, numel)
     ids = data_mod.calibration_samples(models.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
     _page_in(*models.resident())
-    reference_gflops = matmul_gflops(device)  # before the meter: its buffers are not the stage's memory
+    reference_gflops = matmul_gflops(device, dtype=amp_dtype(device, comp_cfg.precision) or torch.float32)  # before the meter: its buffers are not the stage's memory
     meter = laco.SegmentMeter(device)
     meter.next()
     t0 = time.perf_counter()

@@ -19,6 +19,7 @@ one-process gradient up to the order of the float sums.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -61,15 +62,33 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
     return perm[n_val:].sort().values, perm[:n_val].sort().values
 
 
-def amp_dtype(device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on CUDA when supported, else fp16; fp32 (None) on CPU."""
-    if device.type != "cuda":
-        return None
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16; Linux flags).
+    Elsewhere bf16 is emulated and slower than fp32, so auto precision stays fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
-def autocast_ctx(device: torch.device):
-    dtype = amp_dtype(device)
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """compensate.precision made concrete: fp32, bf16 or fp16 (see config.CompensateConfig)."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+
+
+def amp_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """The autocast dtype of training and of LaCo's layer calls (None: plain fp32)."""
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_precision(precision, device)]
+
+
+def autocast_ctx(device: torch.device, precision: str):
+    dtype = amp_dtype(device, precision)
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
@@ -198,7 +217,7 @@ class LayerTrainer:
         return self.loss_fn(out, t)
 
     def _loss(self, x, t, m, scale: float | None = None) -> torch.Tensor:
-        with autocast_ctx(self.device):
+        with autocast_ctx(self.device, self.cfg.precision):
             out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
         return self._objective(out, mid, t, m, scale)
 
@@ -211,7 +230,7 @@ class LayerTrainer:
         scale = self._scale(idx)  # cos_mse: one scale for all of idx, however it is split into chunks
         for chunk in rows.split(self.cfg.batch_size) if len(rows) else ():  # split() of nothing gives one empty chunk
             x, t, m = self._batch(chunk)
-            with autocast_ctx(self.device):
+            with autocast_ctx(self.device, self.cfg.precision):
                 out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
             loss = self._objective(out, mid, t, m, scale)
             w = len(chunk)
@@ -308,7 +327,7 @@ class LayerTrainer:
         for p in self.params:
             p.requires_grad_(True)
         opt = make_adamw(self.params, self.lr, cfg.weight_decay, self.device)
-        scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype(self.device) is torch.float16)
+        scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype(self.device, cfg.precision) is torch.float16)
         total = max(1, math.ceil(math.ceil(len(d.train_idx) / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
         step, history, t0 = 0, [], time.perf_counter()
         for epoch in range(1, cfg.epochs + 1):

@@ -12,6 +12,7 @@ continues, so the result equals an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class LayerContext:
     dense_inputs: ActivationCache | None = None
     dense_targets: ActivationCache | None = None  # dense twin's outputs for dense_inputs
     progress: Callable[[str], None] = field(default=lambda _s: None)  # sets the bar's postfix
+    autocast: torch.dtype | None = None  # compute dtype of run() (None: the weights' own)
 
     def forward(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Call a decoder layer on a batch. hidden [b, seq, hidden] -> [b, seq, hidden]."""
@@ -61,9 +63,12 @@ class LayerContext:
 
     @torch.no_grad()
     def run(self, layer: torch.nn.Module, src: ActivationCache, dst: ActivationCache) -> None:
-        for start in range(0, len(src), self.batch_size):
-            stop = min(start + self.batch_size, len(src))
-            dst.store(start, self.forward(layer, src.batch(start, stop, self.device)))
+        amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
+               else contextlib.nullcontext())
+        with amp:
+            for start in range(0, len(src), self.batch_size):
+                stop = min(start + self.batch_size, len(src))
+                dst.store(start, self.forward(layer, src.batch(start, stop, self.device)))
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -89,6 +94,9 @@ class WalkOptions:
     device: torch.device
     batch_size: int = 8
     desc: str = ""
+    # compute dtype of the layer calls that propagate activations (LaCo: its training precision;
+    # None: fp32, as fidelity and pruning statistics need); caches stay fp32 either way
+    autocast: torch.dtype | None = None
 
 
 LayerDone = Callable[[int, dict, ActivationCache, "ActivationCache | None"], None]
@@ -143,7 +151,7 @@ def walk_layers(
         layer = layers[i].to(device)
         dense_layer = dense_layers[i].to(device) if dense is not None else None
         ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs[i], device, opts.batch_size, dense_layer, dense_in,
-                           dense_out, progress=lambda s: set_status(bar, s))
+                           dense_out, progress=lambda s: set_status(bar, s), autocast=opts.autocast)
         if dense_layer is not None:
             ctx.run(dense_layer, dense_in, dense_out)
             if not dense_in_step and dense.loader is not None:

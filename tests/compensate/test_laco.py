@@ -72,8 +72,11 @@ def _mean_kl(dense_dir: Path, cand_dir: Path) -> float:
     return float((lp.exp() * (lp - lq)).sum(-1).mean())
 
 
-def test_lowers_layer_error_and_final_kl(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
-    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=4), sparse_unstructured_dir, tmp_path / "out")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # both, whichever one auto picks on this CPU
+def test_lowers_layer_error_and_final_kl(tiny_llama_dir, sparse_unstructured_dir, tmp_path, precision):
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=4, precision=precision), sparse_unstructured_dir,
+              tmp_path / "out")
+    assert res.settings["compensate"]["precision"] == precision
     assert len(res.per_layer) == 2
     for rec in res.per_layer:
         assert rec["nmse_after"] < rec["nmse_before"]
@@ -83,6 +86,7 @@ def test_lowers_layer_error_and_final_kl(tiny_llama_dir, sparse_unstructured_dir
     kl_comp = _mean_kl(tiny_llama_dir, tmp_path / "out")
     assert kl_comp < kl_pruned
     assert res.settings["memory"]["device_working_set_mib"]["total"] > 0
+    _assert_same_pattern(sparse_unstructured_dir, tmp_path / "out")
 
 
 @pytest.mark.parametrize("loss", ["mse", "cos_mse", "subblock"])

@@ -9,7 +9,8 @@ import torch
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.budget import resolve_budget
 from laco_deploy.compensate.masks import MaskFactors, apply_masks, masked_merge, weight_mask
-from laco_deploy.compensate.train import cosine_lr, split_indices
+from laco_deploy.compensate import train
+from laco_deploy.compensate.train import amp_dtype, cosine_lr, resolve_precision, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig, DataConfig
 
@@ -155,3 +156,14 @@ def test_segment_meter_keeps_the_peak_of_earlier_segments():
     assert len(meter.done) == 2
     assert meter.peak_delta_bytes >= 60 * 2**20
     assert meter.done[1].peak_delta_bytes < 32 * 2**20
+
+
+def test_precision_resolves_by_device_and_cpu(monkeypatch):
+    cpu = torch.device("cpu")
+    for explicit in ("fp32", "bf16", "fp16"):
+        assert resolve_precision(explicit, cpu) == explicit
+    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: True)
+    assert resolve_precision("auto", cpu) == "bf16" and amp_dtype(cpu, "auto") is torch.bfloat16
+    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: False)
+    assert resolve_precision("auto", cpu) == "fp32" and amp_dtype(cpu, "auto") is None
+    assert "compensate.precision 'fp8'" in " ".join(CompensateConfig(precision="fp8").validate())
