@@ -55,6 +55,12 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "s256_bs4_bf16": (256, 128, {"precision": "bf16", "batch_size": 4, "lr": 4.24e-3}),
     "s1024_bf16": (1024, 128, {"precision": "bf16"}),
     "s256_fp32": (256, 128, {"precision": "fp32"}),
+    "s256e2_bf16": (256, 128, {"precision": "bf16", "epochs": 2}),
+    "s256e3_bf16": (256, 128, {"precision": "bf16", "epochs": 3}),
+    "s256e4_bf16": (256, 128, {"precision": "bf16", "epochs": 4}),
+    "s512e2_bf16": (512, 128, {"precision": "bf16", "epochs": 2}),
+    "s512_lr2e-3_bf16": (512, 128, {"precision": "bf16", "lr": 2e-3}),
+    "s512_lr5e-3_bf16": (512, 128, {"precision": "bf16", "lr": 5e-3}),
 }
 
 

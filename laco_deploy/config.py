@@ -148,7 +148,9 @@ class CompensateConfig:
     # Channel-scale or low-rank corrections instead of the weights closed 21-34% of the gap vs 54%
     # (benchmarks/RESULTS.md), so the surviving weights are trained by default.
     method: str = "laco"  # laco | lora | none
-    epochs: int = 1  # one pass over 4x more samples beat 4 passes over fewer at equal compute (generalization_sweep)
+    # 2 passes over 256 samples beat 1 over 512 on every domain at 78% of its wall (3 passes: no better);
+    # at 32-128 samples 1 pass over 4x more samples had won (generalization_sweep, RESULTS.md)
+    epochs: int = 2
     lr: float = 3e-3
     batch_size: int = 2
     grad_accum: int = 1
