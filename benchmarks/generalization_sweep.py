@@ -115,7 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    sparse_dir = ensure_pruned("unstructured", HERE / "results" / "recovery-work")
+    sparse_dir = ensure_pruned("unstructured", HERE / "results" / "recovery-work", calib="builtin")
     dense_loaded = load_model("default")
     dense, tok = dense_loaded.model, dense_loaded.tokenizer
     specs = args.domains.split(",") if args.domains else [spec for _, spec in eval_domains()]
