@@ -118,9 +118,11 @@ def pruned(tiny_llama_dir, calib, tmp_path_factory) -> Path:
 
 
 def _laco_args(tiny_llama_dir: Path, pruned: Path, calib: Path) -> list:
-    # batch 3 over 6 training samples split 3 + 3 between ranks: most batches straddle both shards
+    # batch 3 over 6 training samples split 3 + 3 between ranks: most batches straddle both shards;
+    # fp32, where ranks equal one process up to float-sum order (dist_jobs.BASE says why)
     return ["compensate", "--dense", tiny_llama_dir, "--sparse", pruned, "--calib", calib, "--samples", 8,
-            "--seqlen", 32, "--epochs", 3, "--lr", 1e-3, "--batch-size", 3, "--val-fraction", 0.25, "--device", "cpu"]
+            "--seqlen", 32, "--epochs", 3, "--lr", 1e-3, "--batch-size", 3, "--val-fraction", 0.25, "--device", "cpu",
+            "--precision", "fp32"]
 
 
 @pytest.fixture(scope="module")

@@ -167,11 +167,14 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     step = make_step(cfg, targets, split, seed, meter, shard, scratch)
+    # propagation (dense targets, next layer's inputs) in bf16 where training is: fp16's range can
+    # overflow on the outlier activations of large models, so an fp16 run propagates in fp32
+    propagate = torch.bfloat16 if amp_dtype(device, cfg.precision) is torch.bfloat16 else None
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
-                              WalkOptions(device, cfg.batch_size, "LaCo", amp_dtype(device, cfg.precision)), paths=Paths.BOTH,
+                              WalkOptions(device, cfg.batch_size, "LaCo", propagate), paths=Paths.BOTH,
                               dense=Lane(dense_model, loader=dense_loader),
                               checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume),
                               dense_in_step=needs_dense_layer(cfg))
