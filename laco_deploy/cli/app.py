@@ -18,7 +18,7 @@ app = typer.Typer(
         "Prune an LLM, repair it with LaCo layer-wise compensation, check its fidelity against the "
         "dense model, and ship it as GGUF (llama.cpp) or ONNX (onnxruntime).\n\n"
         "Start with `laco-deploy build --target gguf`: it runs every stage on the embedded default "
-        "model (SmolLM2-135M-Instruct) and builtin Wikipedia text. Each stage is also its own command."
+        "model (SmolLM2-135M-Instruct) and builtin text (Wikipedia + Python source). Each stage is also its own command."
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,

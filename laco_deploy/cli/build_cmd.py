@@ -55,7 +55,7 @@ def build_command(
 ) -> None:
     """Prune, recover (LaCo), export, check fidelity and benchmark, into one build folder.
 
-    With no options: the embedded SmolLM2-135M-Instruct, builtin Wikipedia text, Wanda 50%, LaCo with a small CPU budget (the paper's 2,048 samples on a GPU), fidelity reports, GGUF Q8_0 (or ONNX fp32) export and a runtime benchmark.
+    With no options: the embedded SmolLM2-135M-Instruct, builtin text (Wikipedia + Python source), Wanda 50%, LaCo with a small CPU budget (256 x 128 tokens, 2 epochs; the paper's 2,048 samples on a GPU), fidelity reports, GGUF Q8_0 (or ONNX fp32) export and a runtime benchmark.
 
     Unchanged stages are reused on a rerun; --resume continues a killed one. Exits 1 when a gate fails (the reports are still written).
     """
