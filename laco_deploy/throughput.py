@@ -1,8 +1,8 @@
 """Achieved compute throughput, reported against a matmul measured in the same run.
 
 Absolute times on a shared machine say little; the ratio of a stage's achieved GFLOP/s to what
-a plain matmul (in the stage's compute dtype) reaches on the same device, at the same moment, says how much of the
-hardware the stage used (and so whether it is compute-bound or wasting time elsewhere).
+a plain matmul (in the stage's compute dtype) reaches on the same device, at the same moment,
+says how much of the hardware the stage used (and so whether it is compute-bound or wasting time elsewhere).
 """
 
 from __future__ import annotations

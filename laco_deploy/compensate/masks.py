@@ -25,13 +25,6 @@ def layer_masks(layer: torch.nn.Module, targets: Iterable[str] = PRUNABLE_LINEAR
     return {name: weight_mask(lin.weight.detach()) for name, lin in linear_modules(layer, tuple(targets)).items()}
 
 
-@torch.no_grad()
-def apply_masks(layer: torch.nn.Module, masks: dict[str, torch.Tensor]) -> None:
-    """Write +0.0 into every masked-out weight (never -0.0: the stored bits stay those of a zero)."""
-    for name, mask in masks.items():
-        layer.get_submodule(name).weight.masked_fill_(~mask, 0.0)
-
-
 class MaskFactors:
     """A layer's masks as 0/1 factors in the weights' dtype, for the writes after every training step.
 

@@ -130,7 +130,8 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     before = streamed.sparsity(models.sparse, models.sparse_lazy, targets, numel)
     ids = data_mod.calibration_samples(models.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
     _page_in(*models.resident())
-    reference_gflops = matmul_gflops(device, dtype=amp_dtype(device, comp_cfg.precision) or torch.float32)  # before the meter: its buffers are not the stage's memory
+    # before the meter: its buffers are not the stage's memory
+    reference_gflops = matmul_gflops(device, dtype=amp_dtype(device, comp_cfg.precision) or torch.float32)
     meter = laco.SegmentMeter(device)
     meter.next()
     t0 = time.perf_counter()
