@@ -61,6 +61,11 @@ VARIANTS: dict[str, tuple[int, int, dict]] = {
     "s512e2_bf16": (512, 128, {"precision": "bf16", "epochs": 2}),
     "s512_lr2e-3_bf16": (512, 128, {"precision": "bf16", "lr": 2e-3}),
     "s512_lr5e-3_bf16": (512, 128, {"precision": "bf16", "lr": 5e-3}),
+    # the final KL pass on the dense logits (distill.py)
+    "s256e2_kl1": (256, 128, {"precision": "bf16", "epochs": 2, "final_kl_epochs": 1}),
+    "s256e2_kl1_lr1e-4": (256, 128, {"precision": "bf16", "epochs": 2, "final_kl_epochs": 1, "final_kl_lr": 1e-4}),
+    "s256e1_kl1": (256, 128, {"precision": "bf16", "epochs": 1, "final_kl_epochs": 1}),
+    "s256e2_kl2": (256, 128, {"precision": "bf16", "epochs": 2, "final_kl_epochs": 2}),
 }
 
 
@@ -84,18 +89,19 @@ def score(model, windows: dict[str, torch.Tensor]) -> dict[str, float]:
 
 def run_variant(name: str, sparse_dir: Path, dense, tokenizer, windows, workdir: Path, calib: str) -> dict:
     samples, seqlen, overrides = VARIANTS[name]
-    cfg = dataclasses.replace(CompensateConfig(), samples=samples, **overrides)
+    # variants that do not name the final KL pass ran before it existed: off, so they reproduce
+    cfg = dataclasses.replace(CompensateConfig(), samples=samples, **{"final_kl_epochs": 0, **overrides})
     sparse = load_model(str(sparse_dir)).model
     ids = calibration_samples(tokenizer, calib, samples, seqlen, 0)
     device = torch.device("cpu")
     meter = laco.SegmentMeter(device)
     t0 = time.perf_counter()
-    laco.compensate(dense, sparse, ids, cfg, PRUNABLE_LINEARS, device=device, seed=0,
+    _records, final = laco.compensate(dense, sparse, ids, cfg, PRUNABLE_LINEARS, device=device, seed=0,
                     checkpoint_dir=workdir / f"{name}.ckpt", fingerprint={"variant": name}, resume=False, meter=meter)
     meter.close()
     wall = time.perf_counter() - t0
     return {"ppl": score(sparse, windows), "wall_s": round(wall, 1), "samples": samples, "seqlen": seqlen,
-            "overrides": overrides, "calib": calib}
+            "overrides": overrides, "calib": calib, "final_kl": final}
 
 
 def gap(row: dict, dense: dict, pruned: dict) -> dict[str, float]:

@@ -85,6 +85,7 @@ class Workload:
     runtime_candidates: int  # fidelity: the export
     parity_tokens: int = 128  # export: the llama.cpp vs PyTorch check (bench.parity.PARITY_TOKENS)
     compensate_dense_twin: bool = False  # the LaCo step runs the dense twin (subblock loss, lsq init)
+    compensate_final_kl: bool = False  # the whole-model KL pass after the walk (compensate/distill.py)
 
     @classmethod
     def of_build(cls, cfg, device) -> Workload:
@@ -98,7 +99,8 @@ class Workload:
                    budget.seqlen, cfg.compensate.batch_size, cfg.compensate.offload,
                    cfg.data.eval_samples * len(eval_specs(cfg.data.eval)),
                    1 + (cfg.compensate.method != "none"), 1,
-                   compensate_dense_twin=needs_dense_layer(cfg.compensate))
+                   compensate_dense_twin=needs_dense_layer(cfg.compensate),
+                   compensate_final_kl=cfg.compensate.method == "laco" and cfg.compensate.final_kl_epochs > 0)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,14 @@ def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
                   {"layer": w["layer_max"], **work})
 
 
+def final_kl_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
+    """What the final KL pass (compensate/distill.py) adds to the resident pruned model: gradients,
+    AdamW moments and the starting copy of every decoder layer, student and teacher logits with their softmax and gradient
+    (~8 copies), and the activations the backward keeps in every layer."""
+    return {"grads+adam+copy": 4 * w["layers"], "logits": 8 * tokens * w["vocab"] * FP32,
+            "batch": w["num_layers"] * _layer_batch(w, tokens)}
+
+
 def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     cache = job.compensate_samples * job.compensate_seqlen * w["hidden"] * FP32
     # the layer being trained: grads + AdamW moments + the mask, autograd activations, and the dense
@@ -152,8 +162,11 @@ def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     process = {"process": PROCESS_BYTES["compensate"]}
     device = {"layer": w["layer_max"], **train}
     if job.compensate_offload != "disk":
-        return _stage("compensate", {"layers": {**process, "pruned model": w["total"], "activations": 4 * cache, **train}},
-                      device)
+        phases = {"layers": {**process, "pruned model": w["total"], "activations": 4 * cache, **train}}
+        if job.compensate_final_kl:  # the walk's last dense cache is the teacher
+            phases["final KL"] = {**process, "pruned model": w["total"], "teacher": cache,
+                                  **final_kl_terms(w, job.compensate_batch * job.compensate_seqlen)}
+        return _stage("compensate", phases, device)
     return _stage("compensate", {"embed": {**process, "embedding": w["embed"], "activations": cache},
                                  "layers": {**process, "layer": w["layer_max"], "activations": 4 * cache, **train},
                                  "save": {**process, "tensor": max(w["layer_max"], _largest_rest(w))}}, device)

@@ -64,6 +64,8 @@ def compensate_command(
     dense_input_mix: Annotated[float, typer.Option("--dense-input-mix", help="LaCo: share of training samples fed the dense model's input to the layer instead of the compensated sparse path's (both have the same dense target); more varied inputs per layer (0: off).")] = _C.dense_input_mix,
     quant_aware: Annotated[Optional[str], typer.Option("--quant-aware", help="LaCo: train through the weights as this export type will store them (fake quantization with a straight-through gradient), so LaCo repairs the quantization error too: q8_0, q4_k_m, q6_k (GGUF, llama.cpp's per-tensor types), q4_k (Q4_K blocks everywhere) or int8 (ONNX). Default: off.")] = None,
     precision: Annotated[str, typer.Option("--precision", help="Compute precision of training (and of LaCo's layer calls): auto = bf16 autocast on CUDA (fp16 where bf16 is unsupported) and on CPUs with native bf16 matmul (AMX, AVX512-BF16), fp32 elsewhere; or fp32, bf16, fp16. Weights, optimizer state and activations stay fp32.")] = _C.precision,
+    final_kl_epochs: Annotated[int, typer.Option("--final-kl-epochs", help="LaCo: after the layer walk, passes of the whole model over the calibration samples with KL to the dense model's logits (the teacher is the walk's last dense hidden states, no second model is loaded); costs 12 bytes per trainable weight and about the walk's time again per pass on CPU; skipped, with a message, when the model is streamed from disk or the memory is short (0: off).")] = _C.final_kl_epochs,
+    final_kl_lr: Annotated[float, typer.Option("--final-kl-lr", help="LaCo: AdamW learning rate of the final KL pass (cosine schedule).")] = _C.final_kl_lr,
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Held-out share of calibration samples for early stopping (0: none).")] = _C.val_fraction,
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
@@ -88,7 +90,7 @@ def compensate_command(
                             batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
                             trainable=trainable, correction_rank=correction_rank,
                             anchor_decay=anchor_decay, dense_input_mix=dense_input_mix, quant_aware=quant_aware, precision=precision,
-                            val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
+                            final_kl_epochs=final_kl_epochs, final_kl_lr=final_kl_lr, val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())
     check_writable(out, "--out")

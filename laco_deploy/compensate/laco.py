@@ -4,7 +4,8 @@ For each decoder layer in order, walk_layers(paths=BOTH) hands us the pruned lay
 inputs (outputs of the already compensated layers 0..l-1) and the dense twin's outputs on the
 dense inputs. The layer is trained to reproduce those outputs (train.LayerTrainer), then the
 engine propagates its new outputs as the next layer's inputs and checkpoints it. Only the layer
-and its dense twin are on the device; activations stay in CPU RAM or on disk.
+and its dense twin are on the device; activations stay in CPU RAM or on disk. Then, unless
+compensate.final_kl_epochs is 0, a short pass trains the whole model on the dense logits (distill.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from laco_deploy import distributed
-from laco_deploy.compensate import lsq
+from laco_deploy.compensate import distill, lsq
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, amp_dtype, layer_forward, split_indices
@@ -152,8 +153,9 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
 def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
                device: torch.device, seed: int, checkpoint_dir, fingerprint: dict, resume: bool,
                meter: SegmentMeter, layer_loader: LayerLoader | None = None,
-               dense_loader: LayerLoader | None = None) -> list[dict]:
-    """Run LaCo over all layers of `sparse_model` in place. input_ids [n, seq]. Returns per-layer records.
+               dense_loader: LayerLoader | None = None) -> tuple[list[dict], dict | None]:
+    """Run LaCo over all layers of `sparse_model` in place, then the final KL pass. input_ids [n, seq].
+    Returns (per-layer records, the final pass's record or None when it did not run).
     `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
@@ -170,6 +172,14 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     # propagation (dense targets, next layer's inputs) in bf16 where training is: fp16's range can
     # overflow on the outlier activations of large models, so an fp16 run propagates in fp32
     propagate = torch.bfloat16 if amp_dtype(device, cfg.precision) is torch.bfloat16 else None
+    last_dense = distill.LastDense(len(decoder_layers(sparse_model)))
+    skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
+            if cfg.final_kl_epochs > 0 else None)
+    if not distributed.agree(skip is None):  # rank 0 decides: every rank must run the same collectives
+        skip = skip or "rank 0 skips it"
+    if skip is not None:
+        log.warning("the final KL pass on the dense logits is skipped: %s (set compensate.final_kl_epochs 0 "
+                    "to silence this)", skip)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
@@ -177,5 +187,12 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
                               WalkOptions(device, cfg.batch_size, "LaCo", propagate), paths=Paths.BOTH,
                               dense=Lane(dense_model, loader=dense_loader),
                               checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume),
-                              dense_in_step=needs_dense_layer(cfg))
-    return records
+                              dense_in_step=needs_dense_layer(cfg), on_layer_done=last_dense)
+        del inputs
+        final = None
+        if cfg.final_kl_epochs > 0 and skip is None:
+            final = distill.final_kl(sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets,
+                                     split, device=device, seed=seed, shard=shard)
+            log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s)",
+                     final["kl_before"], final["kl_after"], final["steps"], final["train_s"])
+    return records, final

@@ -65,7 +65,8 @@ def training_throughput(records: list[dict], lora_record: dict | None, reference
 
 def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, before: dict, after: dict,
                   records: list[dict], lora_record: dict | None, meter, wall: float, device,
-                  reference_gflops: float = 0.0, data: dict | None = None) -> ModelDirResult:
+                  reference_gflops: float = 0.0, data: dict | None = None,
+                  final_kl: dict | None = None) -> ModelDirResult:
     mem = memory_summary(records, lora_record, meter, device)
     speed = training_throughput(records, lora_record, reference_gflops)
     notes = [budget.note]
@@ -84,6 +85,9 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         notes.append(f"training throughput {speed['achieved_gflops']:.1f} GFLOP/s ({speed['gflop']:.0f} GFLOP in "
                      f"{speed['seconds']:.0f} s of training steps), {speed['share_of_matmul']:.0%} of a {cfg.precision} matmul "
                      f"measured in this run ({speed['matmul_gflops']:.0f} GFLOP/s)")
+    if final_kl:
+        notes.append(f"final KL pass: {final_kl['steps']} steps over the whole model, held-out KL to the dense logits "
+                     f"{final_kl['kl_before']:.4g} -> {final_kl['kl_after']:.4g} ({final_kl['train_s']:.0f} s)")
     if lora_record:
         m = lora_record["merge"]
         notes.append(f"LoRA merged under the mask; an unmasked merge would have filled {m['share_of_zeros_lost_unmasked']:.1%} "
@@ -95,6 +99,8 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         settings["data"] = data
     if lora_record:
         settings["lora"] = lora_record
+    if final_kl:
+        settings["final_kl"] = final_kl
     return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info.get("pattern"), info.get("target_sparsity", info.get("sparsity"))),
                           settings=settings, per_layer=records, wall_s=round(wall, 3), peak_mib=mem["peak_mib"],
                           memory_kind=mem["memory_kind"], notes=notes)

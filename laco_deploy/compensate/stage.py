@@ -137,7 +137,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     t0 = time.perf_counter()
     if comp_cfg.method == "laco":
         fp = _fingerprint(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
-        records = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
+        records, final_kl = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
                                   checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter,
                                   layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy)
         model, summary = models.sparse, None
@@ -146,7 +146,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
             log.warning("the LoRA baseline trains the whole model at once and has no per-layer checkpoints to resume "
                         "from; it starts over")
         model, summary = lora.compensate(models.sparse, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
-        records = []
+        records, final_kl = [], None
     meter.close()
     wall = time.perf_counter() - t0
     after = streamed.sparsity(model, models.sparse_lazy, targets, numel)
@@ -159,4 +159,4 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
     return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,
-                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed})
+                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed}, final_kl=final_kl)

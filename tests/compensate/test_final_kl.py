@@ -1,0 +1,95 @@
+"""The final KL pass after the LaCo walk (compensate/distill.py): its teacher equals the dense
+model's logits, it lowers the KL to the dense model, keeps the mask, resumes exactly, and is
+skipped with a reason where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_laco import DATA, _assert_same_pattern, _cfg, _Killed, _mean_kl, _weights
+
+from laco_deploy.compensate import distill, laco, run
+from laco_deploy.config import ModelConfig
+from laco_deploy.data import calibration_samples
+from laco_deploy.models import load_model
+
+
+def test_teacher_is_the_dense_models_logits(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
+    """The walk's last dense hidden states through the pruned model's head give the dense logits."""
+    seen = {}
+
+    def capture(model, input_ids, teacher, *a, **kw):
+        seen["logits"] = distill._logits(model, teacher.data.clone(), None)
+        seen["ids"] = input_ids.clone()
+        return {"kl_before": 0.0, "kl_after": 0.0, "steps": 0, "train_s": 0.0}
+
+    monkeypatch.setattr(distill, "final_kl", capture)
+    run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, precision="fp32"), sparse_unstructured_dir,
+        tmp_path / "out")
+    dense = load_model(str(tiny_llama_dir))
+    assert torch.equal(seen["ids"], calibration_samples(dense.tokenizer, DATA.calib, DATA.samples, DATA.seqlen, DATA.seed))
+    with torch.no_grad():
+        ref = dense.model(seen["ids"], use_cache=False).logits
+    assert torch.allclose(seen["logits"], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_pass_lowers_kl_and_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    mcfg = ModelConfig(model=str(tiny_llama_dir))
+    run(mcfg, DATA, _cfg(epochs=2, final_kl_epochs=0), sparse_unstructured_dir, tmp_path / "walk")
+    res = run(mcfg, DATA, _cfg(epochs=2, final_kl_epochs=3, final_kl_lr=1e-3), sparse_unstructured_dir,
+              tmp_path / "walk_kl")
+    final = res.settings["final_kl"]
+    assert final["kl_after"] < final["kl_before"] and final["steps"] == 3 * 4  # 14 training samples, batch 4
+    assert any("final KL pass" in n for n in res.notes)
+    _assert_same_pattern(sparse_unstructured_dir, tmp_path / "walk_kl")
+    assert _mean_kl(tiny_llama_dir, tmp_path / "walk_kl") < _mean_kl(tiny_llama_dir, tmp_path / "walk")
+
+
+def test_structured_model_keeps_its_shapes_and_never_leaves_worse(tiny_llama_dir, sparse_structured_dir, tmp_path):
+    """On this tiny model 14 samples at lr 1e-3 overfit (held-out KL up): the walk's weights come back."""
+    mcfg = ModelConfig(model=str(tiny_llama_dir))
+    run(mcfg, DATA, _cfg(epochs=1, final_kl_epochs=0), sparse_structured_dir, tmp_path / "walk")
+    res = run(mcfg, DATA, _cfg(epochs=1, final_kl_epochs=2, final_kl_lr=1e-3), sparse_structured_dir, tmp_path / "out")
+    final = res.settings["final_kl"]
+    assert final["kl_after"] <= final["kl_before"]
+    _assert_same_pattern(sparse_structured_dir, tmp_path / "walk", require_change=True)
+    walk, out = _weights(tmp_path / "walk"), _weights(tmp_path / "out")
+    assert walk.keys() == out.keys() and all(walk[k].shape == out[k].shape for k in walk)
+    if not final["kept"]:
+        assert final["kl_trained"] >= final["kl_before"]
+        assert all(torch.equal(walk[k], out[k]) for k in walk)
+
+
+def test_resume_in_the_pass_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
+    mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=1, final_kl_epochs=2, final_kl_lr=1e-3)
+    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "full")
+    real = distill.final_kl
+
+    def die(*a, **kw):
+        raise _Killed("simulated kill during the final pass")
+
+    monkeypatch.setattr(distill, "final_kl", die)
+    with pytest.raises(_Killed):
+        run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed")
+    assert not (tmp_path / "resumed").exists()  # no output that looks complete
+    monkeypatch.setattr(distill, "final_kl", real)
+    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed", resume=True)
+    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
+    assert all(torch.equal(full[k], resumed[k]) for k in full)
+
+
+def test_skipped_with_a_reason(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch, caplog):
+    sparse = load_model(str(sparse_unstructured_dir)).model
+    cfg, cpu = _cfg(), torch.device("cpu")
+    assert "streamed" in distill.skip_reason(sparse, cfg, 32, cpu, streamed=True)
+    monkeypatch.setattr(distill.memplan, "available_bytes", lambda: 2**20)
+    reason = distill.skip_reason(sparse, cfg, 32, cpu, streamed=False)
+    assert reason is not None and "GiB" in reason
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1), sparse_unstructured_dir, tmp_path / "out")
+    assert "final_kl" not in res.settings
+    assert any("final KL pass on the dense logits is skipped" in r.getMessage() for r in caplog.records)
+
+
+def test_invalid_values_are_reported():
+    errs = _cfg(final_kl_epochs=-1).validate() + _cfg(final_kl_lr=0.0).validate()
+    assert len(errs) == 2 and all("final_kl" in e for e in errs)
