@@ -144,10 +144,11 @@ def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
 
 
 def final_kl_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
-    """What the final KL pass (compensate/distill.py) adds to the resident pruned model: gradients,
-    AdamW moments and the starting copy of every decoder layer, student and teacher logits with their softmax and gradient
+    """What the final KL pass (compensate/distill.py) adds to the resident pruned model: AdamW's
+    moments of every decoder layer (each gradient is freed as soon as its weight has stepped; the
+    starting weights wait on disk), the largest layer's gradients, student and teacher logits with their softmax and gradient
     (~8 copies), and the activations the backward keeps in every layer."""
-    return {"grads+adam+copy": 4 * w["layers"], "logits": 8 * tokens * w["vocab"] * FP32,
+    return {"adam": 2 * w["layers"], "grads": w["layer_max"], "logits": 8 * tokens * w["vocab"] * FP32,
             "batch": w["num_layers"] * _layer_batch(w, tokens)}
 
 

@@ -9,10 +9,12 @@ domain, more than doubling the walk's samples does for the same time.
 
 No dense model is loaded for it: the teacher is the dense path's last hidden states, which the walk
 computes anyway (the last layer's dense output is kept), put through the pruned model's own final
-norm and LM head (pruning never changes those). What it costs is the pruned model's gradients and
-AdamW state, and a copy of the weights it starts from (16 bytes per weight, memplan.final_kl_terms),
-kept if the held-out KL does not go down, as the walk keeps a layer's best state: the pass is skipped, with a message naming the
-setting, when the model is streamed from disk or that state would not fit in free memory.
+norm and LM head (pruning never changes those). What it costs is AdamW's two moments for every
+pruned linear (8 bytes per weight, memplan.final_kl_terms): each weight steps as soon as its
+gradient is complete in the backward and the gradient is freed, and the starting weights wait in
+the checkpoint folder, restored if the held-out KL does not go down (as the walk keeps a layer's
+best state). The pass is skipped, with a message naming the setting, when the model is streamed
+from disk or that state would not fit in free memory.
 
 Masks stay bit-exact as in the walk (MaskFactors after every update). In a torchrun job each rank
 computes the rows of each global batch it holds and the gradients are summed before the update
@@ -21,18 +23,23 @@ computes the rows of each global batch it holds and the gradients are summed bef
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from laco_deploy import distributed, families, memplan
 from laco_deploy.compensate.masks import MaskFactors, layer_masks
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw, trainable_parameters
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine.cache import ActivationCache
+from laco_deploy.engine.lazy import read_tensors
+from laco_deploy.fsutil import atomic_path
 from laco_deploy.models import decoder_layers
 from laco_deploy.progress import progress_bar
 
@@ -51,13 +58,45 @@ class LastDense:
             self.hidden = dense_out  # the walk swaps its buffers afterwards but never writes this one again
 
 
-def _trainable(model, targets: tuple[str, ...]) -> tuple[list[torch.nn.Parameter], list[MaskFactors]]:
-    params, factors = [], []
+def _trainable(model, targets: tuple[str, ...]) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+    """(parameter, 0/1 mask factor or None) of every pruned linear's weight and bias, all layers."""
+    out = []
     for layer in decoder_layers(model):
         masks = layer_masks(layer, targets)
-        params += trainable_parameters(layer, masks, train_norms=False)
-        factors.append(MaskFactors(layer, masks))
-    return params, factors
+        keep = {id(w): k for w, k in MaskFactors(layer, masks).pairs}
+        out += [(p, keep.get(id(p))) for p in trainable_parameters(layer, masks, train_norms=False)]
+    return out
+
+
+class StepInBackward:
+    """AdamW applied to each weight as soon as its gradient is complete in the backward, and the
+    gradient freed right after: the pass never holds the whole model's gradients. Before the step
+    the gradient is summed over torchrun ranks and masked; after it +0.0 goes back under the mask
+    (MaskFactors' arithmetic)."""
+
+    def __init__(self, pairs: list[tuple[torch.nn.Parameter, torch.Tensor | None]], device: torch.device):
+        self.keep = {id(p): k for p, k in pairs}
+        self.opts = {id(p): make_adamw([p], 0.0, 0.0, device) for p, _ in pairs}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._step) for p, _ in pairs]
+        self.lr = 0.0
+
+    @torch.no_grad()
+    def _step(self, p: torch.nn.Parameter) -> None:
+        distributed.all_reduce_(p.grad)
+        keep = self.keep[id(p)]
+        if keep is not None:
+            p.grad.mul_(keep)
+        opt = self.opts[id(p)]
+        opt.param_groups[0]["lr"] = self.lr
+        opt.step()
+        p.grad = None
+        if keep is not None:
+            p.mul_(keep).add_(0.0)
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.opts.clear()
 
 
 def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device,
@@ -72,7 +111,7 @@ def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device,
     else:
         free = memplan.available_bytes()
     if free is not None and need > RAM_SHARE * free:
-        return (f"it needs about {need / 2**30:.1f} GiB more memory (gradients and AdamW state of every layer) and "
+        return (f"it needs about {need / 2**30:.1f} GiB more memory (AdamW state of every layer) and "
                 f"{max(free, 0) / 2**30:.1f} GiB is free")
     return None
 
@@ -96,7 +135,8 @@ class _Pass:
         self.model, self.ids, self.teacher, self.cfg, self.device, self.shard = model, input_ids, teacher, cfg, device, shard
         self.softcap = families.logit_softcap(model.config)
 
-    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
+    def rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """This rank's cache rows of the global samples `idx`."""
         return self.shard.local(idx)
 
     def loss(self, rows: torch.Tensor) -> torch.Tensor:
@@ -111,64 +151,82 @@ class _Pass:
     @torch.no_grad()
     def evaluate(self, idx: torch.Tensor) -> float:
         """Mean token KL over the global samples `idx` (summed over ranks)."""
-        rows = self._rows(idx)
+        rows = self.rows(idx)
         total = sum(float(self.loss(chunk)) * len(chunk) for chunk in rows.split(self.cfg.batch_size)) if len(rows) else 0.0
         return distributed.all_reduce_floats([total])[0] / max(1, len(idx))
 
 
+def _save_start(params: list[torch.nn.Parameter], scratch: Path | None) -> list[torch.Tensor] | Path:
+    """The weights the pass starts from: a file in `scratch` (no RAM held), else a copy in RAM."""
+    if scratch is None:
+        return [p.detach().to("cpu", copy=True) for p in params]
+    scratch.mkdir(parents=True, exist_ok=True)
+    path = scratch / "final_kl_start.safetensors"
+    with atomic_path(path) as tmp:
+        save_file({str(i): p.detach().contiguous().cpu() for i, p in enumerate(params)}, str(tmp))
+    return path
+
+
+@torch.no_grad()
+def _restore(params: list[torch.nn.Parameter], start: list[torch.Tensor] | Path) -> None:
+    if isinstance(start, Path):
+        saved = read_tensors(start)
+        start = [saved[str(i)] for i in range(len(params))]
+    for p, s in zip(params, start):
+        p.copy_(s.to(p.device))
+
+
 def final_kl(model, input_ids: torch.Tensor, teacher: ActivationCache, cfg: CompensateConfig,
              targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor], *, device: torch.device,
-             seed: int, shard: distributed.Shard) -> dict[str, Any]:
+             seed: int, shard: distributed.Shard, scratch: Path | None = None) -> dict[str, Any]:
     """Train `model` (the walked pruned model, in place) on KL to the dense logits for
-    cfg.final_kl_epochs passes over the training split. Returns the record."""
+    cfg.final_kl_epochs passes over the training split; keep the walk's weights unless the held-out
+    KL goes down. `scratch`: a folder for the starting weights (else they are copied in RAM)."""
     train_idx, val_idx = split
     watch = val_idx if len(val_idx) else train_idx
+    if amp_dtype(device, cfg.precision) is torch.float16:  # no loss scaling with steps inside the backward
+        cfg = dataclasses.replace(cfg, precision="fp32")
     work = _Pass(model, input_ids, teacher, cfg, device, shard)
     model.to(device)
-    params, factors = _trainable(model, targets)
+    pairs = _trainable(model, targets)
+    params = [p for p, _ in pairs]
     model.requires_grad_(False)
     model.eval()  # no dropout: the walk trains layers the same way
     t0 = time.perf_counter()
     before = work.evaluate(watch)
-    start = [p.detach().to("cpu", copy=True) for p in params]  # kept if the pass does not help on held-out samples
+    start = _save_start(params, scratch)
     for p in params:
         p.requires_grad_(True)
-    opt = make_adamw(params, cfg.final_kl_lr, 0.0, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype(device, cfg.precision) is torch.float16)
+    stepper = StepInBackward(pairs, device)
     gen = torch.Generator().manual_seed(seed)
-    per_epoch = math.ceil(len(train_idx) / cfg.batch_size)
-    total, step = per_epoch * cfg.final_kl_epochs, 0
-    warmup = int(total * cfg.warmup_fraction)
+    total = math.ceil(len(train_idx) / cfg.batch_size) * cfg.final_kl_epochs
+    warmup, step = int(total * cfg.warmup_fraction), 0
     bar = progress_bar(range(total), desc="final KL pass", unit="step")
-    for _epoch in range(cfg.final_kl_epochs):
-        order = train_idx[torch.randperm(len(train_idx), generator=gen)]
-        for chunk in order.split(cfg.batch_size):
-            rows = work._rows(chunk)
-            if len(rows):  # a rank holding none of the batch sends zero gradients
-                scaler.scale(work.loss(rows) * (len(rows) / len(chunk))).backward()
-            for group in opt.param_groups:
-                group["lr"] = cfg.final_kl_lr * cosine_lr(step, total, warmup)
-            distributed.all_reduce_grads(params)
-            for f in factors:
-                f.zero_grads()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            for f in factors:
-                f.apply()
-            step += 1
-            bar.update(1)
-    bar.close()
-    model.requires_grad_(False)
+    try:
+        for _epoch in range(cfg.final_kl_epochs):
+            order = train_idx[torch.randperm(len(train_idx), generator=gen)]
+            for chunk in order.split(cfg.batch_size):
+                stepper.lr = cfg.final_kl_lr * cosine_lr(step, total, warmup)
+                rows = work.rows(chunk)
+                if len(rows):
+                    loss = work.loss(rows) * (len(rows) / len(chunk))
+                else:  # this rank holds none of the batch: a zero loss still runs the hooks' collectives
+                    loss = work.loss(torch.zeros(1, dtype=torch.long)) * 0.0
+                loss.backward()
+                step += 1
+                bar.update(1)
+    finally:
+        stepper.close()
+        bar.close()
+        model.requires_grad_(False)
     trained = work.evaluate(watch)
-    del opt
     kept = trained < before
     if not kept:
-        with torch.no_grad():
-            for p, s in zip(params, start):
-                p.copy_(s.to(p.device))
+        _restore(params, start)
         log.warning("the final KL pass raised the held-out KL (%.4g -> %.4g): the walk's weights are kept",
                     before, trained)
+    if isinstance(start, Path):
+        start.unlink(missing_ok=True)
     model.to("cpu")
     return {"kl_before": round(before, 6), "kl_after": round(trained if kept else before, 6),
             "kl_trained": round(trained, 6), "kept": kept, "epochs": cfg.final_kl_epochs, "steps": step,

@@ -192,7 +192,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
         final = None
         if cfg.final_kl_epochs > 0 and skip is None:
             final = distill.final_kl(sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets,
-                                     split, device=device, seed=seed, shard=shard)
+                                     split, device=device, seed=seed, shard=shard,
+                                     scratch=distributed.rank_dir(checkpoint_dir / "final_kl"))
             log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s)",
                      final["kl_before"], final["kl_after"], final["steps"], final["train_s"])
     return records, final

@@ -24,8 +24,8 @@ def test_teacher_is_the_dense_models_logits(tiny_llama_dir, sparse_unstructured_
         return {"kl_before": 0.0, "kl_after": 0.0, "steps": 0, "train_s": 0.0}
 
     monkeypatch.setattr(distill, "final_kl", capture)
-    run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, precision="fp32"), sparse_unstructured_dir,
-        tmp_path / "out")
+    run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, precision="fp32", final_kl_epochs=1),
+        sparse_unstructured_dir, tmp_path / "out")
     dense = load_model(str(tiny_llama_dir))
     assert torch.equal(seen["ids"], calibration_samples(dense.tokenizer, DATA.calib, DATA.samples, DATA.seqlen, DATA.seed))
     with torch.no_grad():
@@ -80,12 +80,13 @@ def test_resume_in_the_pass_equals_uninterrupted(tiny_llama_dir, sparse_unstruct
 
 def test_skipped_with_a_reason(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch, caplog):
     sparse = load_model(str(sparse_unstructured_dir)).model
-    cfg, cpu = _cfg(), torch.device("cpu")
+    cfg, cpu = _cfg(final_kl_epochs=1), torch.device("cpu")
     assert "streamed" in distill.skip_reason(sparse, cfg, 32, cpu, streamed=True)
     monkeypatch.setattr(distill.memplan, "available_bytes", lambda: 2**20)
     reason = distill.skip_reason(sparse, cfg, 32, cpu, streamed=False)
     assert reason is not None and "GiB" in reason
-    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1), sparse_unstructured_dir, tmp_path / "out")
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, final_kl_epochs=1), sparse_unstructured_dir,
+              tmp_path / "out")
     assert "final_kl" not in res.settings
     assert any("final KL pass on the dense logits is skipped" in r.getMessage() for r in caplog.records)
 
@@ -93,3 +94,14 @@ def test_skipped_with_a_reason(tiny_llama_dir, sparse_unstructured_dir, tmp_path
 def test_invalid_values_are_reported():
     errs = _cfg(final_kl_epochs=-1).validate() + _cfg(final_kl_lr=0.0).validate()
     assert len(errs) == 2 and all("final_kl" in e for e in errs)
+
+
+def test_quant_aware_pass_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    """--quant-aware: the pass trains through the fake-quantized weights; the mask stays bit-exact."""
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA,
+              _cfg(epochs=1, quant_aware="q8_0", final_kl_epochs=2, final_kl_lr=1e-3), sparse_unstructured_dir,
+              tmp_path / "out")
+    final = res.settings["final_kl"]
+    assert final["steps"] == 8 and final["kl_after"] <= final["kl_before"]
+    _assert_same_pattern(sparse_unstructured_dir, tmp_path / "out")
+    assert not (tmp_path / "out.ckpt").exists()  # the starting weights' scratch file went with the checkpoints

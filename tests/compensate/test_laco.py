@@ -18,7 +18,8 @@ DATA = DataConfig(calib="builtin", samples=16, seqlen=32, seed=0)  # the text th
 
 
 def _cfg(**kw) -> CompensateConfig:
-    base = {"samples": 16, "epochs": 3, "batch_size": 4, "lr": 1e-3}
+    # the walk alone: these tests measure layers; test_final_kl.py turns the final KL pass on
+    base = {"samples": 16, "epochs": 3, "batch_size": 4, "lr": 1e-3, "final_kl_epochs": 0}
     base.update(kw)
     return CompensateConfig(**base)
 
