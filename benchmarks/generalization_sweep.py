@@ -24,6 +24,7 @@ import torch
 from recovery_bench import HERE, ensure_pruned
 
 from laco_deploy.compensate import laco
+from laco_deploy.compensate.budget import final_kl_samples
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig
 from laco_deploy.data import calibration_samples, eval_domains, evaluation_windows
 from laco_deploy.fidelity.metrics import next_token_nll
@@ -92,12 +93,14 @@ def run_variant(name: str, sparse_dir: Path, dense, tokenizer, windows, workdir:
     # variants that do not name the final KL pass ran before it existed: off, so they reproduce
     cfg = dataclasses.replace(CompensateConfig(), samples=samples, **{"final_kl_epochs": 0, **overrides})
     sparse = load_model(str(sparse_dir)).model
-    ids = calibration_samples(tokenizer, calib, samples, seqlen, 0)
+    kl = final_kl_samples(cfg, samples)
+    ids = calibration_samples(tokenizer, calib, samples + kl, seqlen, 0)
     device = torch.device("cpu")
     meter = laco.SegmentMeter(device)
     t0 = time.perf_counter()
     _records, final = laco.compensate(dense, sparse, ids, cfg, PRUNABLE_LINEARS, device=device, seed=0,
-                    checkpoint_dir=workdir / f"{name}.ckpt", fingerprint={"variant": name}, resume=False, meter=meter)
+                                      checkpoint_dir=workdir / f"{name}.ckpt", fingerprint={"variant": name},
+                                      resume=False, meter=meter, kl_samples=kl)
     meter.close()
     wall = time.perf_counter() - t0
     return {"ppl": score(sparse, windows), "wall_s": round(wall, 1), "samples": samples, "seqlen": seqlen,

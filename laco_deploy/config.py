@@ -182,6 +182,7 @@ class CompensateConfig:
     # (distill.py); 1 pass closed ~6 more points of the gap on every domain (RESULTS.md); 0: off
     final_kl_epochs: int = 1
     final_kl_lr: float = 3e-4  # beat 1e-4 in-domain, lost 0.4% on fiction (RESULTS.md)
+    final_kl_samples: int | None = None  # fresh samples for that pass; None: as many as the walk's (budget.py)
     # train through the weights as this export type will store them (fake quantization, straight-through
     # gradient); None: plain float weights
     quant_aware: str | None = None
@@ -206,6 +207,9 @@ class CompensateConfig:
             errs.append(f"compensate.lsq_damp {self.lsq_damp} must be positive")
         if not self.lr > 0:
             errs.append(f"compensate.lr {self.lr} must be positive")
+        if self.final_kl_samples is not None and self.final_kl_samples < 2:
+            errs.append(f"compensate.final_kl_samples {self.final_kl_samples} must be at least 2 (or unset: as many as "
+                        "the walk's)")
         if self.final_kl_epochs < 0 or not self.final_kl_lr > 0:
             errs.append(f"compensate.final_kl_epochs ({self.final_kl_epochs}) must be 0 (off) or more and "
                         f"compensate.final_kl_lr ({self.final_kl_lr}) positive")

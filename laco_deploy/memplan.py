@@ -76,7 +76,7 @@ class Workload:
     seqlen: int  # prune samples and evaluation windows
     prune_batch: int
     prune_offload: str  # cpu: the model resident | disk: layers streamed
-    compensate_samples: int  # LaCo, after the budget (compensate/budget.py)
+    compensate_samples: int  # LaCo, after the budget (compensate/budget.py): the walk's + the final pass's
     compensate_seqlen: int
     compensate_batch: int
     compensate_offload: str
@@ -95,7 +95,8 @@ class Workload:
         from laco_deploy.data import eval_specs
 
         budget = resolve_budget(cfg.compensate, cfg.data, device)
-        return cls(cfg.data.samples, cfg.data.seqlen, cfg.prune.batch_size, cfg.prune.offload, budget.samples,
+        return cls(cfg.data.samples, cfg.data.seqlen, cfg.prune.batch_size, cfg.prune.offload,
+                   budget.samples + budget.kl_samples,
                    budget.seqlen, cfg.compensate.batch_size, cfg.compensate.offload,
                    cfg.data.eval_samples * len(eval_specs(cfg.data.eval)),
                    1 + (cfg.compensate.method != "none"), 1,

@@ -77,9 +77,9 @@ def test_build_workload_follows_the_config():
     job = Workload.of_build(BuildConfig(), torch.device("cpu"))
     cfg = BuildConfig()
     assert job.calib_samples == cfg.data.samples and job.seqlen == cfg.data.seqlen
-    assert job.compensate_samples == cfg.compensate.cpu_samples
+    assert job.compensate_samples == 2 * cfg.compensate.cpu_samples  # the walk's + the final KL pass's fresh ones
     assert job.eval_windows == cfg.data.eval_samples * 4  # builtin + three shipped domains
-    assert Workload.of_build(cfg, torch.device("cuda")).compensate_samples == cfg.compensate.gpu_samples
+    assert Workload.of_build(cfg, torch.device("cuda")).compensate_samples == 2 * cfg.compensate.gpu_samples
 
 
 def test_plan_command(cli, tiny_llama_dir):

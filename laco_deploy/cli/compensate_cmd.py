@@ -66,6 +66,7 @@ def compensate_command(
     precision: Annotated[str, typer.Option("--precision", help="Compute precision of training (and of LaCo's layer calls): auto = bf16 autocast on CUDA (fp16 where bf16 is unsupported) and on CPUs with native bf16 matmul (AMX, AVX512-BF16), fp32 elsewhere; or fp32, bf16, fp16. Weights, optimizer state and activations stay fp32.")] = _C.precision,
     final_kl_epochs: Annotated[int, typer.Option("--final-kl-epochs", help="LaCo: after the layer walk, passes of the whole model over the calibration samples with KL to the dense model's logits (the teacher is the walk's last dense hidden states, no second model is loaded); costs AdamW's state for every pruned weight (8 bytes each) and, on CPU, about the walk's time again per pass; skipped, with a message, when the model is streamed from disk or the memory is short (0: off).")] = _C.final_kl_epochs,
     final_kl_lr: Annotated[float, typer.Option("--final-kl-lr", help="LaCo: AdamW learning rate of the final KL pass (cosine schedule).")] = _C.final_kl_lr,
+    final_kl_samples: Annotated[Optional[int], typer.Option("--final-kl-samples", help="LaCo: calibration samples of the final KL pass, drawn after the walk's and never trained on by it (the walk fits its own samples far more closely than other text). Default: as many as the walk's.")] = None,
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Held-out share of calibration samples for early stopping (0: none).")] = _C.val_fraction,
     patience: Annotated[int, typer.Option("--patience", help="Epochs without held-out improvement before stopping.")] = _C.patience,
     lora_rank: Annotated[int, typer.Option("--lora-rank", help="LoRA rank.")] = _C.lora_rank,
@@ -90,7 +91,8 @@ def compensate_command(
                             batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
                             trainable=trainable, correction_rank=correction_rank,
                             anchor_decay=anchor_decay, dense_input_mix=dense_input_mix, quant_aware=quant_aware, precision=precision,
-                            final_kl_epochs=final_kl_epochs, final_kl_lr=final_kl_lr, val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
+                            final_kl_epochs=final_kl_epochs, final_kl_lr=final_kl_lr,
+                            final_kl_samples=final_kl_samples, val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())
     check_writable(out, "--out")

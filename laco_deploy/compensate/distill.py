@@ -7,14 +7,15 @@ SmolLM2-135M after the default walk (benchmarks/RESULTS.md, "A final pass on the
 one pass over the calibration samples closes 4-6 more points of the gap in-domain and out of
 domain, more than doubling the walk's samples does for the same time.
 
-No dense model is loaded for it: the teacher is the dense path's last hidden states, which the walk
-computes anyway (the last layer's dense output is kept), put through the pruned model's own final
-norm and LM head (pruning never changes those). What it costs is AdamW's two moments for every
-pruned linear (8 bytes per weight, memplan.final_kl_terms): each weight steps as soon as its
-gradient is complete in the backward and the gradient is freed, and the starting weights wait in
-the checkpoint folder, restored if the held-out KL does not go down (as the walk keeps a layer's
-best state). The pass is skipped, with a message naming the setting, when the model is streamed
-from disk or that state would not fit in free memory.
+The pass trains on samples the walk carried through the layers but never trained on (budget.py
+says why), and keeps 1/8 of them to measure it. No dense model is loaded for it: the teacher is the
+dense path's last hidden states, which the walk computes anyway (the last layer's dense output is
+kept), put through the pruned model's own final norm and LM head (pruning never changes those).
+What it costs is AdamW's two moments for every pruned linear (8 bytes per weight,
+memplan.final_kl_terms): each weight steps as soon as its gradient is complete in the backward and
+the gradient is freed. If the held-out KL does not go down, the walk's weights come back from its
+layer checkpoints. The pass is skipped, with a message naming the setting, when the model is
+streamed from disk or that state would not fit in free memory.
 
 Masks stay bit-exact as in the walk (MaskFactors after every update). In a torchrun job each rank
 computes the rows of each global batch it holds and the gradients are summed before the update
@@ -27,19 +28,15 @@ import dataclasses
 import logging
 import math
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
 
 from laco_deploy import distributed, families, memplan
 from laco_deploy.compensate.masks import MaskFactors, layer_masks
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw, trainable_parameters
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine.cache import ActivationCache
-from laco_deploy.engine.lazy import read_tensors
-from laco_deploy.fsutil import atomic_path
 from laco_deploy.models import decoder_layers
 from laco_deploy.progress import progress_bar
 
@@ -156,32 +153,12 @@ class _Pass:
         return distributed.all_reduce_floats([total])[0] / max(1, len(idx))
 
 
-def _save_start(params: list[torch.nn.Parameter], scratch: Path | None) -> list[torch.Tensor] | Path:
-    """The weights the pass starts from: a file in `scratch` (no RAM held), else a copy in RAM."""
-    if scratch is None:
-        return [p.detach().to("cpu", copy=True) for p in params]
-    scratch.mkdir(parents=True, exist_ok=True)
-    path = scratch / "final_kl_start.safetensors"
-    with atomic_path(path) as tmp:
-        save_file({str(i): p.detach().contiguous().cpu() for i, p in enumerate(params)}, str(tmp))
-    return path
-
-
-@torch.no_grad()
-def _restore(params: list[torch.nn.Parameter], start: list[torch.Tensor] | Path) -> None:
-    if isinstance(start, Path):
-        saved = read_tensors(start)
-        start = [saved[str(i)] for i in range(len(params))]
-    for p, s in zip(params, start):
-        p.copy_(s.to(p.device))
-
-
 def final_kl(model, input_ids: torch.Tensor, teacher: ActivationCache, cfg: CompensateConfig,
              targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor], *, device: torch.device,
-             seed: int, shard: distributed.Shard, scratch: Path | None = None) -> dict[str, Any]:
+             seed: int, shard: distributed.Shard, restore: Callable[[], Any]) -> dict[str, Any]:
     """Train `model` (the walked pruned model, in place) on KL to the dense logits for
-    cfg.final_kl_epochs passes over the training split; keep the walk's weights unless the held-out
-    KL goes down. `scratch`: a folder for the starting weights (else they are copied in RAM)."""
+    cfg.final_kl_epochs passes over the global samples split[0]; split[1] measures it. Unless the
+    held-out KL goes down, `restore()` puts the walk's weights back (from its layer checkpoints)."""
     train_idx, val_idx = split
     watch = val_idx if len(val_idx) else train_idx
     if amp_dtype(device, cfg.precision) is torch.float16:  # no loss scaling with steps inside the backward
@@ -194,7 +171,6 @@ def final_kl(model, input_ids: torch.Tensor, teacher: ActivationCache, cfg: Comp
     model.eval()  # no dropout: the walk trains layers the same way
     t0 = time.perf_counter()
     before = work.evaluate(watch)
-    start = _save_start(params, scratch)
     for p in params:
         p.requires_grad_(True)
     stepper = StepInBackward(pairs, device)
@@ -222,11 +198,9 @@ def final_kl(model, input_ids: torch.Tensor, teacher: ActivationCache, cfg: Comp
     trained = work.evaluate(watch)
     kept = trained < before
     if not kept:
-        _restore(params, start)
+        restore()
         log.warning("the final KL pass raised the held-out KL (%.4g -> %.4g): the walk's weights are kept",
                     before, trained)
-    if isinstance(start, Path):
-        start.unlink(missing_ok=True)
     model.to("cpu")
     return {"kl_before": round(before, 6), "kl_after": round(trained if kept else before, 6),
             "kl_trained": round(trained, 6), "kept": kept, "epochs": cfg.final_kl_epochs, "steps": step,

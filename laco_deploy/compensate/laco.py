@@ -5,7 +5,8 @@ inputs (outputs of the already compensated layers 0..l-1) and the dense twin's o
 dense inputs. The layer is trained to reproduce those outputs (train.LayerTrainer), then the
 engine propagates its new outputs as the next layer's inputs and checkpoints it. Only the layer
 and its dense twin are on the device; activations stay in CPU RAM or on disk. Then, unless
-compensate.final_kl_epochs is 0, a short pass trains the whole model on the dense logits (distill.py).
+compensate.final_kl_epochs is 0, a short pass trains the whole model on the dense logits of samples
+the walk carried through the layers but never trained on (distill.py).
 """
 
 from __future__ import annotations
@@ -153,18 +154,28 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
 def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
                device: torch.device, seed: int, checkpoint_dir, fingerprint: dict, resume: bool,
                meter: SegmentMeter, layer_loader: LayerLoader | None = None,
-               dense_loader: LayerLoader | None = None) -> tuple[list[dict], dict | None]:
-    """Run LaCo over all layers of `sparse_model` in place, then the final KL pass. input_ids [n, seq].
-    Returns (per-layer records, the final pass's record or None when it did not run).
+               dense_loader: LayerLoader | None = None, kl_samples: int = 0) -> tuple[list[dict], dict | None]:
+    """Run LaCo over all layers of `sparse_model` in place, then the final KL pass. input_ids [n, seq]:
+    the walk trains on the first n - kl_samples, the pass on the last kl_samples (the walk only carries
+    them through the layers). Returns (per-layer records, the final pass's record or None).
     `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    # torchrun: each rank embeds and walks its own shard; the split is over all samples
+    skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
+            if kl_samples else None)
+    if not distributed.agree(skip is None):  # rank 0 decides: every rank must run the same collectives
+        skip = skip or "rank 0 skips it"
+    if skip is not None:
+        log.warning("the final KL pass on the dense logits is skipped: %s (set compensate.final_kl_epochs 0 "
+                    "to silence this)", skip)
+        input_ids, kl_samples = input_ids[: input_ids.shape[0] - kl_samples], 0
+    walk_samples = input_ids.shape[0] - kl_samples
+    # torchrun: each rank embeds and walks its own shard; the splits are over all samples
     shard = distributed.shard(input_ids.shape[0])
     inputs = capture_inputs(sparse_model, layer_loader, input_ids[shard.start:shard.stop], device, cfg.offload,
                             checkpoint_dir)
-    split = split_indices(input_ids.shape[0], cfg.val_fraction, seed)
+    split = split_indices(walk_samples, cfg.val_fraction, seed)
     scratch = distributed.rank_dir(checkpoint_dir / "snapshot") if cfg.offload == "disk" else None
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
@@ -173,27 +184,22 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     # overflow on the outlier activations of large models, so an fp16 run propagates in fp32
     propagate = torch.bfloat16 if amp_dtype(device, cfg.precision) is torch.bfloat16 else None
     last_dense = distill.LastDense(len(decoder_layers(sparse_model)))
-    skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
-            if cfg.final_kl_epochs > 0 else None)
-    if not distributed.agree(skip is None):  # rank 0 decides: every rank must run the same collectives
-        skip = skip or "rank 0 skips it"
-    if skip is not None:
-        log.warning("the final KL pass on the dense logits is skipped: %s (set compensate.final_kl_epochs 0 "
-                    "to silence this)", skip)
+    checkpoints = LayerCheckpoints(checkpoint_dir, fingerprint, resume)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
                               WalkOptions(device, cfg.batch_size, "LaCo", propagate), paths=Paths.BOTH,
-                              dense=Lane(dense_model, loader=dense_loader),
-                              checkpoints=LayerCheckpoints(checkpoint_dir, fingerprint, resume),
+                              dense=Lane(dense_model, loader=dense_loader), checkpoints=checkpoints,
                               dense_in_step=needs_dense_layer(cfg), on_layer_done=last_dense)
         del inputs
-        final = None
-        if cfg.final_kl_epochs > 0 and skip is None:
-            final = distill.final_kl(sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets,
-                                     split, device=device, seed=seed, shard=shard,
-                                     scratch=distributed.rank_dir(checkpoint_dir / "final_kl"))
-            log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s)",
-                     final["kl_before"], final["kl_after"], final["steps"], final["train_s"])
+        if not kl_samples:
+            return records, None
+        fresh = tuple(walk_samples + idx for idx in split_indices(kl_samples, cfg.val_fraction, seed))
+        final = distill.final_kl(
+            sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets, fresh, device=device,
+            seed=seed, shard=shard,
+            restore=lambda: [checkpoints.reload(i, layer) for i, layer in enumerate(decoder_layers(sparse_model))])
+    log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s)",
+             final["kl_before"], final["kl_after"], final["steps"], final["train_s"])
     return records, final

@@ -128,7 +128,9 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     _check_shapes(models.dense, models.sparse, targets, sparse_dir)
     numel = dense_numel(models.dense, targets)
     before = streamed.sparsity(models.sparse, models.sparse_lazy, targets, numel)
-    ids = data_mod.calibration_samples(models.tokenizer, data_cfg.calib, budget.samples, budget.seqlen, data_cfg.seed)
+    # the final KL pass's fresh samples follow the walk's (the same seed draws the same first ones)
+    ids = data_mod.calibration_samples(models.tokenizer, data_cfg.calib, budget.samples + budget.kl_samples,
+                                       budget.seqlen, data_cfg.seed)
     _page_in(*models.resident())
     # before the meter: its buffers are not the stage's memory
     reference_gflops = matmul_gflops(device, dtype=amp_dtype(device, comp_cfg.precision) or torch.float32)
@@ -139,13 +141,14 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         fp = _fingerprint(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
         records, final_kl = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
                                   checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter,
-                                  layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy)
+                                  layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy,
+                                  kl_samples=budget.kl_samples)
         model, summary = models.sparse, None
     else:
         if resume:
             log.warning("the LoRA baseline trains the whole model at once and has no per-layer checkpoints to resume "
                         "from; it starts over")
-        model, summary = lora.compensate(models.sparse, ids, comp_cfg, targets, device=device, seed=data_cfg.seed)
+        model, summary = lora.compensate(models.sparse, ids[: budget.samples], comp_cfg, targets, device=device, seed=data_cfg.seed)
         records, final_kl = [], None
     meter.close()
     wall = time.perf_counter() - t0

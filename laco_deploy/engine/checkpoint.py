@@ -65,6 +65,15 @@ class LayerCheckpoints:
         log.debug("layer %d restored from %s", i, weights_file)
         return json.loads(record_file.read_text())
 
+    def reload(self, i: int, layer: torch.nn.Module) -> bool:
+        """Load layer i's saved weights into `layer` again after the walk (the final KL pass undoing
+        itself); False if the layer has no checkpoint."""
+        weights_file, _ = self._files(i)
+        if not weights_file.is_file():
+            return False
+        _load_layer_state(layer, load_file(str(weights_file)))
+        return True
+
     def save(self, i: int, layer: torch.nn.Module, record: dict) -> None:
         if not distributed.is_main():
             return  # every rank holds the same layer; rank 0 writes it

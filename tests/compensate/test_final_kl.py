@@ -27,7 +27,9 @@ def test_teacher_is_the_dense_models_logits(tiny_llama_dir, sparse_unstructured_
     run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, precision="fp32", final_kl_epochs=1),
         sparse_unstructured_dir, tmp_path / "out")
     dense = load_model(str(tiny_llama_dir))
-    assert torch.equal(seen["ids"], calibration_samples(dense.tokenizer, DATA.calib, DATA.samples, DATA.seqlen, DATA.seed))
+    # the walk's 16 samples, then 16 fresh ones for the pass, one draw of the same seed
+    assert torch.equal(seen["ids"], calibration_samples(dense.tokenizer, DATA.calib, 32, DATA.seqlen, DATA.seed))
+    assert torch.equal(seen["ids"][:16], calibration_samples(dense.tokenizer, DATA.calib, 16, DATA.seqlen, DATA.seed))
     with torch.no_grad():
         ref = dense.model(seen["ids"], use_cache=False).logits
     assert torch.allclose(seen["logits"], ref, atol=1e-4, rtol=1e-4)
@@ -39,7 +41,7 @@ def test_pass_lowers_kl_and_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, 
     res = run(mcfg, DATA, _cfg(epochs=2, final_kl_epochs=3, final_kl_lr=1e-3), sparse_unstructured_dir,
               tmp_path / "walk_kl")
     final = res.settings["final_kl"]
-    assert final["kl_after"] < final["kl_before"] and final["steps"] == 3 * 4  # 14 training samples, batch 4
+    assert final["kl_after"] < final["kl_before"] and final["steps"] == 3 * 4  # 14 of 16 fresh samples, batch 4
     assert any("final KL pass" in n for n in res.notes)
     _assert_same_pattern(sparse_unstructured_dir, tmp_path / "walk_kl")
     assert _mean_kl(tiny_llama_dir, tmp_path / "walk_kl") < _mean_kl(tiny_llama_dir, tmp_path / "walk")
