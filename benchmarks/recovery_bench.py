@@ -194,11 +194,23 @@ def bench_pattern(label: str, args, windows: dict[str, torch.Tensor], dense_ppl:
             "dense_ppl": dense_ppl, "pruned_ppl": pruned_ppl, "sparse_dir": str(sparse)}
 
 
+def laco_split(n: int, mode: str) -> tuple[int, list[str], str]:
+    """LaCo's share of n calibration samples under --laco-kl: (walk samples, extra CLI args, name tag).
+    off: the walk on all n, no final KL pass; split: n/2 walked, n/2 fresh for the pass (n in all,
+    the same data as LoRA); extra: the walk on n and the pass on n more (the build's default)."""
+    if mode == "off":
+        return n, ["--final-kl-epochs", "0"], ""
+    if mode == "split":
+        return max(1, n // 2), ["--final-kl-samples", str(max(2, n - n // 2))], "-klsplit"
+    return n, [], "-klextra"
+
+
 def _recover_and_score(label: str, method: str, n: int, sparse: Path, args, windows,
                        calib: str | None = None) -> tuple[dict, dict, str]:
     tag = "" if calib is None else "-calib-" + "".join(c if c.isalnum() else "_" for c in calib)
-    out = Path(args.workdir) / f"{label.replace(':', 'of')}-{method}-{n}{tag}"
-    res = recover(method, sparse, out, n, args, ["--calib", calib or args.calib])
+    walk, extra, kl_tag = laco_split(n, args.laco_kl) if method == "laco" else (n, [], "")
+    out = Path(args.workdir) / f"{label.replace(':', 'of')}-{method}-{n}{kl_tag}{tag}"
+    res = recover(method, sparse, out, walk, args, ["--calib", calib or args.calib, *extra])
     return res, cached_perplexity(str(out), windows, Path(args.workdir)), str(out)
 
 
@@ -363,6 +375,10 @@ def main() -> None:
                     "(e.g. builtin:mixed); empty: none")
     ap.add_argument("--calib", default=DataConfig.calib, help="calibration text of Wanda and of every recovery "
                     "(default: the build's); pruned models are reused per --workdir, so give each text its own")
+    ap.add_argument("--laco-kl", choices=("off", "split", "extra"), default="split",
+                    help="LaCo's final KL pass: split (default: half the samples walked, half fresh for the pass, so "
+                    "LaCo and LoRA see the same data), off (the walk on all), extra (the pass on as many more: the "
+                    "build's default, twice LoRA's data)")
     ap.add_argument("--fresh", action="store_true", help="rerun recoveries whose results already exist")
     args = ap.parse_args()
     load_before = os.getloadavg()
@@ -389,7 +405,7 @@ def main() -> None:
                         "calibration": f"{args.calib}, seed 0, {args.samples} x {args.seqlen} tokens (LaCo 1/4: {args.samples // 4})",
                         "extra_calib": args.extra_calib or None,
                         "tasks": args.tasks or None, "task_limit": args.task_limit,
-                        "curve_sizes": sizes, "epochs": args.epochs,
+                        "curve_sizes": sizes, "epochs": args.epochs, "laco_final_kl": args.laco_kl,
                         "batch_size": args.batch_size, "device": "cpu", "threads": torch.get_num_threads(),
                         "load_average_1min": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
                         "laco": {"loss": CompensateConfig.loss, "lr": CompensateConfig.lr, "init": CompensateConfig.init},

@@ -45,6 +45,19 @@ def _existing_ancestor(path: Path) -> Path:
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+def disk_full(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is a full disk, also when a library wraps the OS error in
+    its own exception (safetensors: `SafetensorError: ... No space left on device (os error 28)`)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and e.errno in _DISK_FULL:
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
 def output_error(target: Path, e: OSError, option: str = "output path", folder: Path | None = None) -> LacoError | None:
     """The one-line user error for an OSError met while writing `target` (new files go into `folder`,
     default: the nearest existing folder above it), or None when the error is not the user's to fix."""

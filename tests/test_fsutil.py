@@ -182,3 +182,26 @@ def test_kill_9_mid_export_then_rerun_leaves_no_partial(tiny_llama_dir, tmp_path
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert out.is_file() and not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob(".*.partial"))
     assert f"removed 1 partial file of {out} left by a killed run" in rerun.stderr
+
+
+def test_a_library_wrapped_full_disk_is_a_user_error(monkeypatch, capsys):
+    """safetensors reports ENOSPC as its own SafetensorError: still one line naming the fix, exit 2."""
+    from laco_deploy import cli
+    from laco_deploy.fsutil import disk_full
+
+    wrapped = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert disk_full(wrapped) and disk_full(OSError(errno.ENOSPC, "full")) and not disk_full(RuntimeError("other"))
+    try:
+        raise ValueError("outer") from OSError(errno.EDQUOT, "quota")
+    except ValueError as e:
+        assert disk_full(e)
+
+    def full_disk(*a, **kw):
+        raise wrapped
+
+    monkeypatch.setattr(cli, "app", full_disk)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["version"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no space left on the device" in err and "free disk space" in err and "internal error" not in err

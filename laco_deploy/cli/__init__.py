@@ -23,7 +23,8 @@ from laco_deploy import distributed
 from laco_deploy.cli import flags, helptext, stages  # noqa: F401
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import err_console, state
-from laco_deploy.errors import LacoError
+from laco_deploy.errors import LacoError, ResourceError
+from laco_deploy.fsutil import disk_full
 from laco_deploy.memory import map_large_allocations
 
 helptext.attach(app)
@@ -89,6 +90,9 @@ def _run(args: list[str]) -> None:
     except Exception as e:  # a bug, not a user error: one line unless --debug
         if state.debug:
             raise
+        if disk_full(e):  # a library's own wrapper around ENOSPC: still the user's to fix
+            _report("[bold red]error:[/] no space left on the device while writing results; free disk space (or "
+                    "write to another disk) and rerun, adding --resume where the command has it", ResourceError.exit_code)
         _report(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback and please report it)", 3)
     finally:
         distributed.teardown()
