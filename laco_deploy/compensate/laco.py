@@ -196,10 +196,14 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
         if not kl_samples:
             return records, None
         fresh = tuple(walk_samples + idx for idx in split_indices(kl_samples, cfg.val_fraction, seed))
-        final = distill.final_kl(
-            sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets, fresh, device=device,
-            seed=seed, shard=shard,
-            restore=lambda: [checkpoints.reload(i, layer) for i, layer in enumerate(decoder_layers(sparse_model))])
-    log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s)",
-             final["kl_before"], final["kl_after"], final["steps"], final["train_s"])
+        meter.next()  # its own segment: measure() below resets the peak counter
+        with measure(device) as m:
+            final = distill.final_kl(
+                sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets, fresh, device=device,
+                seed=seed, shard=shard,
+                restore=lambda: [checkpoints.reload(i, layer) for i, layer in enumerate(decoder_layers(sparse_model))])
+        final.update({"peak_mib": round(m.peak_bytes / 2**20, 1), "peak_delta_mib": round(m.peak_delta_bytes / 2**20, 1),
+                      "memory_kind": m.kind})
+    log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s, +%.0f MiB)",
+             final["kl_before"], final["kl_after"], final["steps"], final["train_s"], final["peak_delta_mib"])
     return records, final

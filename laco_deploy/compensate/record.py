@@ -87,7 +87,9 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
                      f"measured in this run ({speed['matmul_gflops']:.0f} GFLOP/s)")
     if final_kl:
         notes.append(f"final KL pass: {final_kl['steps']} steps over the whole model, held-out KL to the dense logits "
-                     f"{final_kl['kl_before']:.4g} -> {final_kl['kl_after']:.4g} ({final_kl['train_s']:.0f} s)")
+                     f"{final_kl['kl_before']:.4g} -> {final_kl['kl_after']:.4g} ({final_kl['train_s']:.0f} s, peak "
+                     f"{final_kl.get('peak_mib', 0):.0f} MiB, +{final_kl.get('peak_delta_mib', 0):.0f} MiB while it ran)"
+                     + ("" if final_kl.get("kept", True) else "; the held-out KL rose, so the walk's weights were kept"))
     if lora_record:
         m = lora_record["merge"]
         notes.append(f"LoRA merged under the mask; an unmasked merge would have filled {m['share_of_zeros_lost_unmasked']:.1%} "

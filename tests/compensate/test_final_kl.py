@@ -21,7 +21,7 @@ def test_teacher_is_the_dense_models_logits(tiny_llama_dir, sparse_unstructured_
     def capture(model, input_ids, teacher, *a, **kw):
         seen["logits"] = distill._logits(model, teacher.data.clone(), None)
         seen["ids"] = input_ids.clone()
-        return {"kl_before": 0.0, "kl_after": 0.0, "steps": 0, "train_s": 0.0}
+        return {"kl_before": 0.0, "kl_after": 0.0, "steps": 0, "train_s": 0.0, "kept": True}
 
     monkeypatch.setattr(distill, "final_kl", capture)
     run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, precision="fp32", final_kl_epochs=1),
@@ -43,6 +43,7 @@ def test_pass_lowers_kl_and_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, 
     final = res.settings["final_kl"]
     assert final["kl_after"] < final["kl_before"] and final["steps"] == 3 * 4  # 14 of 16 fresh samples, batch 4
     assert any("final KL pass" in n for n in res.notes)
+    assert final["peak_mib"] > 0 and final["memory_kind"] in ("rss", "cuda_max_allocated")
     _assert_same_pattern(sparse_unstructured_dir, tmp_path / "walk_kl")
     assert _mean_kl(tiny_llama_dir, tmp_path / "walk_kl") < _mean_kl(tiny_llama_dir, tmp_path / "walk")
 
