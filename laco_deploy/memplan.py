@@ -147,11 +147,11 @@ def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
 def final_kl_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
     """What the final KL pass (compensate/distill.py) adds to the resident pruned model: AdamW's
     moments of every decoder layer (each gradient is freed as soon as its weight has stepped), the
-    largest layer's gradients, the half-precision copies autocast keeps of every weight for the
-    backward, student and teacher logits with their softmax and gradient (~12 copies, measured), and
-    the activations the backward keeps in every layer. Measured on the default model: 3309 MiB peak
-    for the compensate stage against 3.0 GiB estimated."""
-    return {"adam": 2 * w["layers"], "grads": w["layer_max"], "autocast copies": (w["layers"] + _largest_rest(w)) // 2,
+    largest layer's gradients, the masks (a byte per weight), the half-precision copies autocast
+    keeps of every weight for the backward, student and teacher logits with their softmax and
+    gradient (~12 copies, measured), and the activations the backward keeps in every layer."""
+    return {"adam": 2 * w["layers"], "grads": w["layer_max"], "masks": w["layers"] // FP32,
+            "autocast copies": (w["layers"] + _largest_rest(w)) // 2,
             "logits": 12 * tokens * w["vocab"] * FP32, "batch": w["num_layers"] * _layer_batch(w, tokens)}
 
 
