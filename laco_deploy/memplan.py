@@ -149,7 +149,8 @@ def final_kl_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
     moments of every decoder layer (each gradient is freed as soon as its weight has stepped), the
     largest layer's gradients, the masks (a byte per weight), the half-precision copies autocast
     keeps of every weight for the backward, student and teacher logits with their softmax and
-    gradient (~12 copies, measured), and the activations the backward keeps in every layer."""
+    gradient (~12 copies, measured), and the activations the backward keeps in every layer.
+    Default build: 3.0 GiB estimated for the compensate stage, 3304 MiB measured."""
     return {"adam": 2 * w["layers"], "grads": w["layer_max"], "masks": w["layers"] // FP32,
             "autocast copies": (w["layers"] + _largest_rest(w)) // 2,
             "logits": 12 * tokens * w["vocab"] * FP32, "batch": w["num_layers"] * _layer_batch(w, tokens)}

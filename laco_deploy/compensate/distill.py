@@ -57,8 +57,9 @@ class LastDense:
 
 def _trainable(model, targets: tuple[str, ...]) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
     """(parameter, 0/1 mask factor or None) of every pruned linear's weight and bias, all layers.
-    The factors are uint8 (a quarter of float32's memory for the whole model's masks, ~6% slower
-    to apply, measured) and None where nothing is masked (biases; structured widths)."""
+    The factors are uint8 (a byte per weight instead of float32's four, ~6% slower to apply,
+    measured; the stage's peak RSS stayed at 3.3 GB, so it is set elsewhere) and None where nothing
+    is masked (biases; structured widths)."""
     out = []
     for layer in decoder_layers(model):
         masks = layer_masks(layer, targets)
