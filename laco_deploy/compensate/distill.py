@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from laco_deploy import distributed, families, memplan
+from laco_deploy.compensate.streamed import RAM_SHARE
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw
 from laco_deploy.config import CompensateConfig
@@ -41,7 +42,6 @@ from laco_deploy.models import decoder_layers
 from laco_deploy.progress import progress_bar
 
 log = logging.getLogger(__name__)
-RAM_SHARE = 0.8  # the pass runs while its estimate needs at most this share of the free memory
 
 
 class LastDense:
@@ -113,7 +113,7 @@ def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device,
         free = torch.cuda.mem_get_info(device)[0] - sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         free = memplan.available_bytes()
-    if free is not None and need > RAM_SHARE * free:
+    if free is not None and need > RAM_SHARE * free:  # the share the pruned model may take in RAM
         return (f"it needs about {need / 2**30:.1f} GiB more memory (AdamW state of every layer) and "
                 f"{max(free, 0) / 2**30:.1f} GiB is free")
     return None
