@@ -11,7 +11,9 @@ only; dense also at --dense-quants (the equal-file-size comparison).
 
 Everything is cached in --work (models, exports, one JSON per measured cell), so an interrupted
 run resumes where it stopped; --reuse LABEL=DIR (a model) or LABEL@TYPE=FILE (an export) takes
-existing results instead of building them. The full grid takes hours on 2 cores; --quick is the
+existing results instead of building them. `--stage build` and `--stage measure` split the run in two processes
+over the same --work: one builds the models while the other measures the cells of those finished
+(rerun it until the build is done; a last plain run adds the speed rounds and the report). The full grid takes hours on 2 cores; --quick is the
 reduced profile (dense + structured 30% of FFN channels, 30% of FFN channels and KV head groups, and
 Wanda 50%, each pruned / +LaCo / +QA-LaCo q4_k_m, at F16, Q8_0, Q4_K_M on llama.cpp and fp32, int8 on
 onnxruntime; 3 speed rounds; explicit flags override it): 85 minutes on 2 cores.
@@ -73,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip", action="append", default=[], metavar="LABEL@TYPE", help="leave a cell of the grid out (repeatable)")
     p.add_argument("--reuse", action="append", default=[], metavar="LABEL=DIR|LABEL@TYPE=FILE",
                    help="an existing model folder or export for a row (repeatable)")
+    p.add_argument("--stage", choices=("all", "build", "measure"), default="all",
+                   help="build: build the models and stop; measure: measure the cells whose models are built, leave "
+                   "the rest out (run it beside a `build` process on the same --work, then once more at the end)")
     args = p.parse_args(argv)
     profile = PROFILES["quick" if args.quick else "full"]
     for key, value in profile.items():
@@ -100,17 +105,21 @@ def _complete(d: Path) -> bool:
     return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
-def build_models(specs: list[F.Spec], args, reuse: dict[str, Path], dense: Path) -> dict[str, Path]:
-    """HF folder per model label; built with the project's stages into WORK/models (resumable)."""
+def build_models(specs: list[F.Spec], args, reuse: dict[str, Path], dense: Path, build: bool = True) -> dict[str, Path]:
+    """HF folder per model label; built with the project's stages into WORK/models (resumable).
+    With build=False only the models already complete are returned."""
     from laco_deploy import compensate, prune
 
     model_cfg, data_cfg = ModelConfig(device="cpu"), DataConfig(samples=args.samples)
     dirs = {F.DENSE: dense}
     for spec in specs[1:]:
         dest = reuse.get(spec.label, args.work / "models" / F.slug(spec.label))
-        dirs[spec.label] = dest
         if _complete(dest):
+            dirs[spec.label] = dest
             continue
+        if not build:
+            continue
+        dirs[spec.label] = dest
         t0 = time.perf_counter()
         if spec.prune is not None:
             prune.run(model_cfg, data_cfg, spec.prune, dest, resume=True)
@@ -205,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%d models, %d cells: %s", len(specs), len(cells_plan), ", ".join(f"{m}@{q}" for m, q in cells_plan))
     args.work.mkdir(parents=True, exist_ok=True)
     dense = ensure_default_converted()
-    dirs = build_models(specs, args, reuse, dense)
+    dirs = build_models(specs, args, reuse, dense, build=args.stage != "measure")
+    if args.stage == "build":
+        log.info("built %d models in %.0f s", len(dirs), time.perf_counter() - t0)
+        return 0
+    missing = [f"{m}@{q}" for m, q in cells_plan if m not in dirs]
+    if missing:
+        log.info("not built yet, left out: %s", ", ".join(missing))
+        cells_plan = [(m, q) for m, q in cells_plan if m in dirs]
     settings = {k: getattr(args, k) for k in ("repetitions", "n_prompt", "n_gen", "ppl_ctx", "ppl_windows", "fid_windows",
                                               "fid_seqlen", "eval", "threads")}
     cells = []

@@ -71,3 +71,33 @@ def test_report_has_table_plot_and_goals():
     assert "| s30-all | llama.cpp | f16 | 190.0 | 100.00 |" in md and "ppl wikipedia" in md and "| 1.30 |" in md
     page = F.html_page(cells, F.structured_goal(cells, "f16"), ["settings line"])
     assert "data:image/png;base64," in page and "settings line" in page and "<td>s30-all</td>" in page
+
+
+def test_measure_stage_takes_only_built_models_and_builds_nothing(tmp_path, monkeypatch):
+    """`frontier_bench.py --stage measure` beside a `--stage build` process: finished models only."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier_bench.py"
+    spec = importlib.util.spec_from_file_location("frontier_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def never(*a, **k):
+        raise AssertionError("the measure stage must not build")
+
+    monkeypatch.setattr(importlib.import_module("laco_deploy.prune"), "run", never)
+    monkeypatch.setattr(importlib.import_module("laco_deploy.compensate"), "run", never)
+    specs = F.plan_models([0.3], ["ffn"], ["pruned", "laco"], [], [])
+    done = tmp_path / "models" / "s30-ffn"
+    done.mkdir(parents=True)
+    (done / "config.json").write_text("{}")
+    (done / "model.safetensors").write_bytes(b"")
+    half = tmp_path / "models" / "s30-ffn_laco"  # a build in progress: no weights yet
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    args = SimpleNamespace(work=tmp_path, samples=8, epochs=1, comp_samples=8)
+    dirs = bench.build_models(specs, args, {}, tmp_path / "dense", build=False)
+    assert dirs == {F.DENSE: tmp_path / "dense", "s30-ffn": done}
