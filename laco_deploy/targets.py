@@ -83,7 +83,7 @@ class Target:
 GGUF = Target(
     name="gguf",
     runtime="llama.cpp",
-    quant_types=("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k"),  # = exporters.gguf_names.QUANTS
+    quant_types=("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k"),  # = exporters.gguf_names.QUANTS
     default_quant="q8_0",
     exporter="exporters.gguf:export",
     check="laco_deploy.bench.parity:gguf_parity",

@@ -24,6 +24,8 @@ BOUNDS = {  # quant: (min top-1 agreement, max mean KL) vs PyTorch on 128 evalua
     "q6_k": (0.8, 1e-2),
     "q5_k_m": (0.7, 2e-2),
     "q4_k_m": (0.6, 2e-2),
+    "q3_k_m": (0.6, 2e-2),
+    "q2_k": (0.4, 5e-2),
 }
 MAIN_TYPE = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
 
