@@ -41,10 +41,10 @@ from laco_deploy.targets import GGUF  # noqa: E402
 log = logging.getLogger("frontier_bench")
 PROFILES = {
     "full": {"ratios": "0.2,0.3,0.5", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50,2:4",
-             "qa_quants": "q4_k_m,int8", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q5_k_m,q6_k",
+             "qa_quants": "q4_k_m,int8", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q3_k_m,q2_k",
              "repetitions": 3, "speed_rounds": 0, "n_prompt": 512, "n_gen": 128, "ppl_ctx": 512, "ppl_windows": 8, "fid_windows": 8},
     "quick": {"ratios": "0.3", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50",
-              "qa_quants": "q4_k_m", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q5_k_m,q6_k",
+              "qa_quants": "q4_k_m", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q3_k_m,q2_k",
               "repetitions": 2, "speed_rounds": 3, "n_prompt": 128, "n_gen": 32, "ppl_ctx": 256, "ppl_windows": 4, "fid_windows": 2},
 }
 
