@@ -124,7 +124,9 @@ def _exported_vs_fake(model_dir: Path, out: Path, quant: str):
 def test_gguf_export_types_and_values(kquant_model_dir, tmp_path, quant, types):
     """Per-tensor types equal llama.cpp's choice for `--quant`; values equal what it stores: Q8_0
     (gguf-py's writer) and Q6_K bit for bit, Q4_K but for a rare sub-block whose grid search ends on
-    a neighbouring candidate (measured: 32 of 4 million values)."""
+    a neighbouring candidate. How rare depends on the machine (llama.cpp's CPU kernels differ by
+    CPU features): 32 of 4 million values on one VM, 4189 (0.10%) on an AVX-512 one; either way the
+    differences sum to under 0.04% of the quantization error itself, the bound that matters."""
     rows = _exported_vs_fake(kquant_model_dir, tmp_path / "m.gguf", quant)
     assert {r[1] for r in rows} == types
     stats: dict[str, list[float]] = {}
@@ -138,7 +140,7 @@ def test_gguf_export_types_and_values(kquant_model_dir, tmp_path, quant, types):
     for scheme, (differing, n, diff, qerr) in stats.items():
         if scheme in ("q8_0", "q6_k"):
             assert differing == 0, scheme
-        assert differing / n < 2e-4, scheme
+        assert differing / n < 2e-3, scheme
         assert diff / qerr < 1e-3, scheme
 
 
