@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--skip {', '.join(sorted(unknown))}: not a cell of this grid (LABEL@TYPE, e.g. wanda50@q8_0)")
     cells_plan = [(m, q) for m, q in cells_plan if f"{m}@{q}" not in args.skip]
+    measured = {m for m, _ in cells_plan}  # a model whose cells are all skipped is not built (unless a base)
+    specs = [s for s in specs if s.label in measured or any(t.base == s.label and t.label in measured for t in specs)]
     log.info("%d models, %d cells: %s", len(specs), len(cells_plan), ", ".join(f"{m}@{q}" for m, q in cells_plan))
     args.work.mkdir(parents=True, exist_ok=True)
     dense = ensure_default_converted()
