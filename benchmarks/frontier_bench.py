@@ -11,10 +11,10 @@ only; dense also at --dense-quants (the equal-file-size comparison).
 
 Everything is cached in --work (models, exports, one JSON per measured cell), so an interrupted
 run resumes where it stopped; --reuse LABEL=DIR (a model) or LABEL@TYPE=FILE (an export) takes
-existing results instead of building them. `--stage build` and `--stage measure` split the run in two processes
-over the same --work: one builds the models while the other measures the cells of those finished
-(rerun it until the build is done; a last plain run adds the speed rounds and the report). The full grid takes hours on 2 cores; --quick is the
-reduced profile (dense + structured 30% of FFN channels, 30% of FFN channels and KV head groups, and
+existing results instead of building them. `--stage build` and `--stage measure` split the run in
+two processes over the same --work: one builds the models while the other measures the cells of
+those finished (rerun it until the build is done; a last plain run adds the speed rounds and the
+report). The full grid takes hours on 2 cores; --quick is the reduced profile (dense + structured 30% of FFN channels, 30% of FFN channels and KV head groups, and
 Wanda 50%, each pruned / +LaCo / +QA-LaCo q4_k_m, at F16, Q8_0, Q4_K_M on llama.cpp and fp32, int8 on
 onnxruntime; 3 speed rounds; explicit flags override it): 85 minutes on 2 cores.
 
@@ -114,12 +114,11 @@ def build_models(specs: list[F.Spec], args, reuse: dict[str, Path], dense: Path,
     dirs = {F.DENSE: dense}
     for spec in specs[1:]:
         dest = reuse.get(spec.label, args.work / "models" / F.slug(spec.label))
-        if _complete(dest):
+        complete = _complete(dest)
+        if complete or build:
             dirs[spec.label] = dest
+        if complete or not build:
             continue
-        if not build:
-            continue
-        dirs[spec.label] = dest
         t0 = time.perf_counter()
         if spec.prune is not None:
             prune.run(model_cfg, data_cfg, spec.prune, dest, resume=True)
