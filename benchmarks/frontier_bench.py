@@ -7,7 +7,9 @@ GGUF types on llama.cpp, ONNX types on onnxruntime): perplexity on the runtime (
 protocol, builtin text), KL and top-1 agreement against the dense fp32 PyTorch model and the
 perplexity of each evaluation domain (fidelity stage, same windows for every cell), decode and
 prompt tok/s, file size, peak RSS. A QA-LaCo model is measured at the type it was trained for
-only; dense also at --dense-quants (the equal-file-size comparison).
+only; dense also at --dense-quants (the equal-file-size comparison) and, as `dense-imatrix`, at
+--imatrix-quants: llama.cpp's k-quants weighted by an importance matrix of the calibration text
+(laco_deploy.imatrix, computed once into WORK/imatrix/; --imatrix FILE takes an existing one).
 
 Everything is cached in --work (models, exports, one JSON per measured cell), so an interrupted
 run resumes where it stopped; --reuse LABEL=DIR (a model) or LABEL@TYPE=FILE (an export) takes
@@ -42,10 +44,10 @@ log = logging.getLogger("frontier_bench")
 PROFILES = {
     "full": {"ratios": "0.2,0.3,0.5", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50,2:4",
              "qa_quants": "q4_k_m,int8", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q3_k_m,q2_k",
-             "repetitions": 3, "speed_rounds": 0, "n_prompt": 512, "n_gen": 128, "ppl_ctx": 512, "ppl_windows": 8, "fid_windows": 8},
+             "imatrix_quants": "q6_k,q5_k_m,q4_k_m,q3_k_m,q2_k", "repetitions": 3, "speed_rounds": 0, "n_prompt": 512, "n_gen": 128, "ppl_ctx": 512, "ppl_windows": 8, "fid_windows": 8},
     "quick": {"ratios": "0.3", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50",
               "qa_quants": "q4_k_m", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q3_k_m,q2_k",
-              "repetitions": 2, "speed_rounds": 3, "n_prompt": 128, "n_gen": 32, "ppl_ctx": 256, "ppl_windows": 4, "fid_windows": 2},
+              "imatrix_quants": "q4_k_m,q3_k_m,q2_k", "repetitions": 2, "speed_rounds": 3, "n_prompt": 128, "n_gen": 32, "ppl_ctx": 256, "ppl_windows": 4, "fid_windows": 2},
 }
 
 
@@ -58,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "variants": "pruned,laco,qa", "unstructured": "wanda50 and/or 2:4, or none",
              "qa_quants": "types QA-LaCo trains for (q8_0, q4_k_m, q6_k, int8)",
              "quants": "weight types: GGUF f16,q8_0,q4_k_m,... (llama.cpp); ONNX fp32,int8 (onnxruntime)",
-             "dense_quants": "extra types for the dense model only (equal-size comparison)"}
+             "dense_quants": "extra types for the dense model only (equal-size comparison)",
+             "imatrix_quants": "GGUF k-quants of the dense model with an importance matrix (issue 32's rival), or none"}
     for name, text in lists.items():
         p.add_argument("--" + name.replace("_", "-"), help=text)
     for name in ("repetitions", "n_prompt", "n_gen", "ppl_ctx", "ppl_windows"):
@@ -69,7 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-rounds", type=int, help="extra speed-only passes over all cells, round robin; each cell keeps "
                    "its best tok/s (a shared machine's load slows some runs, never speeds one up)")
     p.add_argument("--threads", type=int, default=1, help="runtime threads (default 1: least disturbed on a shared machine)")
-    p.add_argument("--samples", type=int, default=DataConfig.samples, help="pruning calibration samples")
+    p.add_argument("--samples", type=int, default=DataConfig.samples, help="pruning (and importance-matrix) calibration samples")
+    p.add_argument("--imatrix", type=Path, help="importance-matrix file of the dense model for --imatrix-quants "
+                   "(default: computed on the calibration text into WORK/imatrix/)")
     p.add_argument("--comp-samples", type=int, help="LaCo calibration samples (default: the compensate stage's CPU budget)")
     p.add_argument("--epochs", type=int, default=CompensateConfig.epochs, help="LaCo epochs")
     p.add_argument("--skip", action="append", default=[], metavar="LABEL@TYPE", help="leave a cell of the grid out (repeatable)")
@@ -129,15 +134,29 @@ def build_models(specs: list[F.Spec], args, reuse: dict[str, Path], dense: Path,
     return dirs
 
 
-def export_cell(label: str, quant: str, src: Path, args, reuse: dict[str, Path]) -> Path:
-    """The export of one cell, reused when newer than its model's weights."""
+def dense_imatrix(args, dense: Path) -> Path:
+    """The dense model's importance matrix on the pruning calibration samples (computed once)."""
+    if args.imatrix is not None:
+        return args.imatrix
+    from laco_deploy.imatrix import compute
+
+    path = args.work / "imatrix" / "dense.imatrix.gguf"
+    if not path.is_file():
+        res = compute(dense, DataConfig(samples=args.samples), path)
+        log.info("importance matrix of the dense model: %d weights, %d x %d tokens, %.0f s -> %s",
+                 res.entries, res.samples, res.seqlen, res.wall_s, path)
+    return path
+
+
+def export_cell(label: str, quant: str, src: Path, args, reuse: dict[str, Path], imatrix: Path | None = None) -> Path:
+    """The export of one cell (weighted by `imatrix` when given), reused when newer than its inputs."""
     if f"{label}@{quant}" in reuse:
         return reuse[f"{label}@{quant}"]
     target = F.target_of(quant)
     dest = args.work / target.name / target.artifact_name(F.slug(label), quant)
-    stamp = max(p.stat().st_mtime for p in src.glob("*.safetensors"))
+    stamp = max(p.stat().st_mtime for p in [*src.glob("*.safetensors"), *([imatrix] if imatrix else [])])
     if not (dest.exists() and dest.stat().st_mtime > stamp):
-        res = target.export(src, dest, quant)
+        res = target.export(src, dest, quant, imatrix=imatrix)
         log.info("exported %s %s: %.1f MiB in %.0f s", label, quant, res.size_bytes / 2**20, res.wall_s)
     return dest
 
@@ -205,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     reuse = parse_reuse(args.reuse)
     specs = F.plan_models([float(r) for r in _split(args.ratios)], _split(args.targets_sets), _split(args.variants),
                           _split(args.unstructured), _split(args.qa_quants))
-    cells_plan = F.plan_cells(specs, _split(args.quants), _split(args.dense_quants))
+    cells_plan = F.plan_cells(specs, _split(args.quants), _split(args.dense_quants), _split(args.imatrix_quants))
     unknown = set(args.skip) - {f"{m}@{q}" for m, q in cells_plan}
     if unknown:
         raise SystemExit(f"--skip {', '.join(sorted(unknown))}: not a cell of this grid (LABEL@TYPE, e.g. wanda50@q8_0)")
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     dense = ensure_default_converted()
     dirs = build_models(specs, args, reuse, dense, build=args.stage != "measure")
+    dirs[F.DENSE_IMATRIX] = dense
     if args.stage == "build":
         log.info("built %d models in %.0f s", len(dirs), time.perf_counter() - t0)
         return 0
@@ -225,14 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         cells_plan = [(m, q) for m, q in cells_plan if m in dirs]
     settings = {k: getattr(args, k) for k in ("repetitions", "n_prompt", "n_gen", "ppl_ctx", "ppl_windows", "fid_windows",
                                               "fid_seqlen", "eval", "threads")}
+    imatrix = dense_imatrix(args, dense) if any(m == F.DENSE_IMATRIX for m, _ in cells_plan) else None
     cells = []
     for label, quant in cells_plan:
-        path = export_cell(label, quant, dirs[label], args, reuse)
+        path = export_cell(label, quant, dirs[label], args, reuse, imatrix if label == F.DENSE_IMATRIX else None)
         cells.append(measure_cell(label, quant, path, dense, args, settings))
         log.info("measured %s %s (%d/%d)", label, quant, len(cells), len(cells_plan))
     speed_rounds(cells, args)
     first_gguf = next((q for q in _split(args.quants) if F.target_of(q) is GGUF), None)
     goals = (F.structured_goal(cells, first_gguf) if first_gguf else []) + F.equal_size_goal(cells) + F.qa_goal(cells)
+    if imatrix is not None:
+        goals += F.equal_size_goal(cells, rival=F.DENSE_IMATRIX)
     info = [f"date {date.today()}; default model SmolLM2-135M-Instruct; {os.cpu_count()} CPUs, {args.threads} runtime "
             f"thread(s); load average at the end {os.getloadavg()[0]:.2f}",
             f"runtime: {args.repetitions} repetitions, pp {args.n_prompt} tokens, tg {args.n_gen} tokens, ppl "

@@ -5,7 +5,8 @@
 F32, F16, BF16 and Q8_0 are written directly (norms and 1-D tensors stay F32, as llama.cpp's
 converter does; a Q8_0 tensor whose rows are not a multiple of 32 falls back to F16). Q4_K_M,
 Q5_K_M and Q6_K are made by writing an F32 file next to the output and running
-`llama_cpp.llama_model_quantize` on it. The file appears only when complete (atomic rename).
+`llama_cpp.llama_model_quantize` on it, with an importance matrix when given (`imatrix=`, a file in
+llama.cpp's format: exporters.gguf_imatrix). The file appears only when complete (atomic rename).
 Tensors are declared from the safetensors headers first, then read, quantized and written one at a
 time, so the export never holds a second copy of the model. Right after writing, the file is read
 back, then handed to the caller's runtime check (`check=`: llama.cpp against PyTorch).
@@ -28,7 +29,8 @@ from typing import Any, Callable, NamedTuple
 import gguf
 import numpy as np
 
-from exporters import gguf_model, gguf_vocab
+from exporters import gguf_imatrix, gguf_model, gguf_vocab
+from exporters.gguf_imatrix import Imatrix
 from exporters.gguf_names import F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
 from laco_deploy.artifacts import SOURCE_FILE, ExportResult
 from laco_deploy.errors import ExportError
@@ -41,12 +43,13 @@ F16 = gguf.GGMLQuantizationType.F16
 
 
 def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None = None,
-           check: Callable[[Path, Path], dict] | None = None) -> ExportResult:
+           check: Callable[[Path, Path], dict] | None = None, imatrix: Path | None = None) -> ExportResult:
     """Write `model_dir` (HF safetensors directory) as a GGUF file of type `quant`.
 
     `metadata` (and config.json's `laco_deploy` dict) are recorded under `laco_deploy.*` keys.
     `check(model_dir, gguf_path) -> dict`: the runtime parity check (targets.GGUF passes
     laco_deploy.bench.parity.gguf_parity); its results join the read-back checks.
+    `imatrix`: an importance-matrix file for llama.cpp's quantizer (the types it makes; others note it unused).
     """
     t0 = time.perf_counter()
     quant = str(quant).lower()
@@ -58,6 +61,10 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
     gguf_model.safetensor_files(model_dir)  # fail before writing anything
     laco = {**(config.get(LACO_PREFIX) or {}), **(metadata or {})}
     spec = QUANTS[quant]
+    imat, imat_notes = _load_imatrix(imatrix, model_dir, plan, quant)
+    if imat is not None:
+        laco["imatrix"] = {"file": Path(imatrix).name, "entries": len(imat.values), "chunks": imat.chunk_count,
+                           "chunk_size": imat.chunk_size, "datasets": list(imat.datasets)}
     with atomic_path(out_path) as tmp:
         if spec.tensor_type is not None:
             notes = _write(model_dir, tmp, plan, config, spec, laco)
@@ -65,7 +72,7 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
             with tempfile.TemporaryDirectory(prefix=f".{out_path.name}.", dir=out_path.parent) as work:
                 f32 = Path(work) / "f32.gguf"
                 notes = _write(model_dir, f32, plan, config, QUANTS["f32"], laco)
-                _llama_quantize(f32, tmp, spec)
+                _llama_quantize(f32, tmp, spec, imat)
     from exporters.gguf_check import read_back
 
     checks = read_back(out_path)
@@ -75,7 +82,33 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
         notes.append(f"per-layer widths: written as architecture {plan.arch_name} (llama.cpp reads per-layer "
                      "feed_forward_length and head counts)")
     return ExportResult(target=GGUF.name, quant=quant, path=str(out_path), size_bytes=out_path.stat().st_size,
-                        checks=checks, notes=notes, wall_s=round(time.perf_counter() - t0, 2))
+                        checks=checks, notes=imat_notes + notes, wall_s=round(time.perf_counter() - t0, 2))
+
+
+def _load_imatrix(path: Path | None, model_dir: Path, plan, quant: str) -> tuple[Imatrix | None, list[str]]:
+    """The importance matrix to pass to llama.cpp's quantizer, checked against this model's weights
+    (a name llama.cpp finds with another width aborts its quantizer), and notes for the result."""
+    if path is None:
+        return None, []
+    if QUANTS[quant].tensor_type is not None:
+        return None, [f"imatrix {Path(path).name} unused: {quant} is written without llama.cpp's quantizer "
+                      "(importance weighting applies to its k-quants)"]
+    imat = gguf_imatrix.read(path)
+    widths = {e.name: e.shape[-1] for e in gguf_model.tensor_entries(model_dir, plan) if len(e.shape) == 2}
+    used = [n for n in imat.values if n in widths]
+    if not used:
+        raise ExportError(f"imatrix {path} names none of {model_dir}'s weights (e.g. {next(iter(imat.values))}); "
+                          "compute it on this model with `laco-deploy imatrix`")
+    for name in used:
+        if imat.values[name].size != widths[name]:
+            raise ExportError(f"imatrix {path}: {name} has {imat.values[name].size} values but the model's tensor has "
+                              f"{widths[name]} input columns (another model's imatrix?); compute it on {model_dir}")
+    missing = sorted(set(widths) - set(used) - {"token_embd.weight", "output.weight"})
+    notes = [f"imatrix {Path(path).name}: {len(used)} weights importance-weighted ({imat.chunk_count} chunks of "
+             f"{imat.chunk_size} tokens of {', '.join(imat.datasets) or 'unnamed data'})"]
+    if missing:
+        notes.append(f"imatrix has no data for {len(missing)} weight(s), quantized unweighted ({missing[0]}...)")
+    return imat, notes
 
 
 def _write(model_dir: Path, path: Path, plan, config: dict, spec: QuantSpec, laco: dict) -> list[str]:
@@ -187,8 +220,9 @@ def _write_laco_metadata(writer: gguf.GGUFWriter, values: dict[str, Any], prefix
             writer.add_string(full, json.dumps(value))
 
 
-def _llama_quantize(src: Path, dst: Path, spec: QuantSpec) -> None:
-    """Quantize an F32 GGUF with llama.cpp's own k-quant recipes (llama-cpp-python binding)."""
+def _llama_quantize(src: Path, dst: Path, spec: QuantSpec, imatrix: Imatrix | None = None) -> None:
+    """Quantize an F32 GGUF with llama.cpp's own k-quant recipes (llama-cpp-python binding), weighting
+    each column's rounding error by `imatrix` when given (as `llama-quantize --imatrix` does)."""
     try:
         import llama_cpp
     except ImportError as e:
@@ -197,6 +231,9 @@ def _llama_quantize(src: Path, dst: Path, spec: QuantSpec) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, spec.llama_ftype)
     params.nthread = os.cpu_count() or 1
+    if imatrix is not None:
+        entries = gguf_imatrix.ctypes_entries(llama_cpp, imatrix)  # referenced until the call returns
+        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
     with _quiet_stderr():
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:

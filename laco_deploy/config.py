@@ -287,6 +287,7 @@ class ExportConfig:
     target: str = GGUF.name  # a name in targets.TARGETS
     quant: str | None = None  # None: the target's default_quant (targets.py)
     sparse_storage: bool = False  # store sparse weights compactly (targets that support it)
+    imatrix: str | None = None  # importance-matrix file for llama.cpp's k-quants (targets that take one)
 
     @property
     def resolved_quant(self) -> str:
@@ -301,6 +302,9 @@ class ExportConfig:
         allowed = TARGETS[self.target].quant_types
         if self.resolved_quant not in allowed:
             return [f"export.quant {self.quant!r} is not valid for {self.target}; choose from {', '.join(allowed)}"]
+        if self.imatrix is not None and not TARGETS[self.target].imatrix_quants:
+            takes = ", ".join(t.name for t in TARGETS.values() if t.imatrix_quants)
+            return [f"export.imatrix is for {takes} k-quants; {self.target} takes no importance matrix: unset export.imatrix"]
         return []
 
 

@@ -37,6 +37,8 @@ class Target:
     file_suffix: str = ""  # a single file with this suffix is this target's output
     folder_marker: str = ""  # a folder holding this file is this target's output
     sparse_storage: bool = False  # the exporter can store sparse weights compactly
+    # weight types the exporter makes with llama.cpp's quantizer, which an importance-matrix file steers
+    imatrix_quants: tuple[str, ...] = ()
     follows_device: bool = False  # the runtime runs on the build's device (CUDA); else always on the CPU
     context_option: str = ""  # the runner's keyword for its context length, sized to the longest sequence
     description: str = ""  # words for help texts
@@ -58,9 +60,14 @@ class Target:
             return True
         return bool(self.folder_marker) and path.is_dir() and (path / self.folder_marker).is_file()
 
-    def export(self, model_dir: Path, dest: Path, quant: str, *, sparse_storage: bool = False):
+    def export(self, model_dir: Path, dest: Path, quant: str, *, sparse_storage: bool = False,
+               imatrix: Path | None = None):
         """Run this target's exporter with its runtime parity check; -> ExportResult."""
-        options = {"sparse_storage": sparse_storage} if self.sparse_storage else {}
+        options: dict[str, Any] = {"sparse_storage": sparse_storage} if self.sparse_storage else {}
+        if imatrix is not None:
+            if not self.imatrix_quants:
+                raise ValueError(f"target {self.name} takes no importance matrix")  # ExportConfig.validate refuses it first
+            options["imatrix"] = Path(imatrix)
         return _load(self.exporter)(Path(model_dir), Path(dest), quant, check=_load(self.check), **options)
 
     def runtime_device(self, device: Any) -> str:
@@ -92,6 +99,7 @@ GGUF = Target(
     artifact="{stem}.{quant}.gguf",
     build_artifact="model.{quant}.gguf",
     file_suffix=".gguf",
+    imatrix_quants=("q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k"),  # = exporters.gguf_names.QUANTS without tensor_type
     description="llama.cpp",
     context_option="n_ctx",  # its logits buffers are n_ctx x vocab floats
     # Wanda 50% SmolLM2-135M, CPU budget: llama.cpp ppl 46.5 -> 45.0 (seed 0), lower on all four

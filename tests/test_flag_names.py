@@ -15,6 +15,8 @@ ALLOWED = {
     ("laco_deploy/models.py", "pip install --force-reinstall"),
     ("laco_deploy/distributed.py", "torchrun --nproc-per-node"),
     ("laco_deploy/bench/compare.py", "benchmarks/run_suite.py NAME --out"),
+    ("exporters/llama_tools.py", "pip download --quiet"),
+    ("exporters/llama_tools.py", "cmake --build"),
 }
 
 

@@ -17,6 +17,11 @@ def test_gguf_types_are_the_exporters_table():
 
     assert set(GGUF.quant_types) == set(QUANTS) and GGUF.default_quant in GGUF.quant_types
     assert ONNX.default_quant in ONNX.quant_types
+    # the types llama.cpp's quantizer makes are those an importance matrix steers
+    assert set(GGUF.imatrix_quants) == {q for q, spec in QUANTS.items() if spec.tensor_type is None}
+    assert ONNX.imatrix_quants == ()
+    assert ExportConfig(target="onnx", imatrix="m.gguf").validate() == [
+        "export.imatrix is for gguf k-quants; onnx takes no importance matrix: unset export.imatrix"]
 
 
 @pytest.mark.parametrize("target", list(TARGETS.values()), ids=list(TARGETS))

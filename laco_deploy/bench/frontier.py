@@ -20,6 +20,9 @@ from laco_deploy.errors import ConfigError
 from laco_deploy.targets import TARGETS, Target
 
 DENSE = "dense"
+# the dense model quantized by llama.cpp with an importance matrix of the calibration text (issue 32's
+# rival: what `llama-imatrix` + `llama-quantize --imatrix` make); not a "+" label, so not a recovered model
+DENSE_IMATRIX = "dense-imatrix"
 TARGET_SETS = {"ffn": FFN_LINEARS, "all": PRUNABLE_LINEARS}  # --targets-sets: FFN channels only, or FFN + KV head groups
 UNSTRUCTURED = {"wanda50": PruneConfig(method="wanda", sparsity=0.5), "2:4": PruneConfig(method="wanda", pattern="2:4")}
 VARIANTS = ("pruned", "laco", "qa")
@@ -71,13 +74,20 @@ def plan_models(ratios: list[float], target_sets: list[str], variants: list[str]
     return specs
 
 
-def plan_cells(specs: list[Spec], quants: list[str], dense_quants: list[str]) -> list[tuple[str, str]]:
+def plan_cells(specs: list[Spec], quants: list[str], dense_quants: list[str],
+               imatrix_quants: list[str] = ()) -> list[tuple[str, str]]:
     """(model, quant) pairs: every model at every type, dense also at `dense_quants` (the equal-size
-    comparison), a QA-LaCo model only at the type it was trained for. Grouped by type, dense first."""
-    for q in quants + dense_quants:
+    comparison) and, as DENSE_IMATRIX, at `imatrix_quants` (llama.cpp k-quants with an importance
+    matrix), a QA-LaCo model only at the type it was trained for. Grouped by type, dense first."""
+    for q in [*quants, *dense_quants, *imatrix_quants]:
         target_of(q)
+    bad = [q for q in imatrix_quants if q not in target_of(q).imatrix_quants]
+    if bad:
+        raise ConfigError(f"imatrix types {', '.join(bad)}: an importance matrix applies to GGUF k-quants only")
     cells = []
-    for quant in dict.fromkeys(quants + dense_quants):
+    for quant in dict.fromkeys([*quants, *dense_quants, *imatrix_quants]):
+        if quant in imatrix_quants:
+            cells.append((DENSE_IMATRIX, quant))
         for spec in specs:
             if not spec.measured:
                 keep = False
@@ -133,20 +143,20 @@ def structured_goal(cells: list[dict], quant: str, ratio: int = 30, in_min: floa
     return out
 
 
-def equal_size_goal(cells: list[dict], tolerance: float = 0.02) -> list[dict[str, Any]]:
+def equal_size_goal(cells: list[dict], tolerance: float = 0.02, rival: str = DENSE) -> list[dict[str, Any]]:
     """Issue 12 goal 2: a pruned + LaCo cell beats a dense cell of the same runtime that is at least
     as large (within `tolerance`: files of the same type differ by a few metadata bytes). For each
-    recovered cell, the smallest such dense cell; one line each."""
+    recovered cell, the smallest such cell of `rival` (DENSE, or DENSE_IMATRIX: issue 32); one line each."""
     out = []
     for c in cells:
         if "+" not in c["model"]:
             continue
-        dense = sorted((d for d in cells if d["model"] == DENSE and d["runtime"] == c["runtime"]
+        dense = sorted((d for d in cells if d["model"] == rival and d["runtime"] == c["runtime"]
                         and d["size_mib"] >= c["size_mib"] * (1 - tolerance)), key=lambda d: d["size_mib"])
         if not dense:
             continue
         d = dense[0]
-        out.append({"goal": f"{c['model']} {c['quant']} ({c['size_mib']:.0f} MiB, ppl {c['ppl']:.2f}) vs dense {d['quant']} "
+        out.append({"goal": f"{c['model']} {c['quant']} ({c['size_mib']:.0f} MiB, ppl {c['ppl']:.2f}) vs {rival} {d['quant']} "
                             f"({d['size_mib']:.0f} MiB, ppl {d['ppl']:.2f}): ppl ratio", "value": c["ppl"] / d["ppl"],
                     "need": 1.0, "op": "<", "hit": c["ppl"] < d["ppl"], "fmt": "{:.2f}"})
     return out

@@ -21,13 +21,15 @@ def export_command(
     quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. {quant_help()}.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: next to the model, named after it and the type.")] = None,
     sparse_storage: Annotated[bool, typer.Option("--sparse-storage", help="ONNX: store sparse weights compactly (loading densifies them; no speed-up).")] = ExportConfig.sparse_storage,
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF k-quants: an importance-matrix file (from `laco-deploy imatrix` or llama.cpp's llama-imatrix) that weights each column's rounding error, as `llama-quantize --imatrix` does.")] = None,
 ) -> None:
     """Export a model for an edge runtime, then check it against PyTorch.
 
     GGUF goes through the `gguf` package's writer (k-quants through llama.cpp's own quantizer);
     ONNX is a decoder with KV cache whose input/output names match optimum's ORTModelForCausalLM.
     """
-    cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage)
+    cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage,
+                       imatrix=str(imatrix) if imatrix is not None else None)
     check(cfg.validate())
     check_writable(out, "--out")
     from laco_deploy.models import check_source, local_model_dir
@@ -36,7 +38,7 @@ def export_command(
     model_dir = local_model_dir(model)
     target = TARGETS[cfg.target]
     dest = out or Path(target.artifact_name(model_dir.name, cfg.resolved_quant))
-    result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage)
+    result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage, imatrix=imatrix)
     console.print(f"wrote {result.path} ({result.size_bytes / 2**20:.1f} MiB, {result.target} {result.quant})")
     for key, value in result.checks.items():
         console.print(f"  {key}: {value}")

@@ -22,6 +22,7 @@ COMMAND_SECTIONS = {
     "bench": ("bench",),
     "plan": ("model", "data", "prune"),
     "inspect": ("model",),
+    "imatrix": ("model", "data"),
 }
 # The command whose flags set a stage's settings, named when another command's message mentions one.
 HOME = {"prune": "prune", "compensate": "compensate", "fidelity": "fidelity", "export": "export", "bench": "bench"}

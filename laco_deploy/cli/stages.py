@@ -6,6 +6,7 @@ from laco_deploy.cli import (  # noqa: F401
     compensate_cmd,
     export_cmd,
     fidelity_cmd,
+    imatrix_cmd,
     inspect_cmd,
     plan_cmd,
     prune_cmd,

@@ -27,6 +27,23 @@ def test_plan_orders_families_and_restricts_qa_to_its_type():
     assert F.plan_cells(specs, ["f16"], []) == [("dense", "f16"), ("s50-all+laco", "f16")]
 
 
+def test_plan_adds_the_imatrix_rival_at_its_types():
+    specs = F.plan_models([0.3], ["ffn"], ["laco"], [], [])
+    cells = F.plan_cells(specs, ["q4_k_m"], ["q2_k"], ["q4_k_m", "q2_k"])
+    assert cells == [(F.DENSE_IMATRIX, "q4_k_m"), ("dense", "q4_k_m"), ("s30-ffn+laco", "q4_k_m"),
+                     (F.DENSE_IMATRIX, "q2_k"), ("dense", "q2_k")]
+    with pytest.raises(ConfigError, match="q8_0.*GGUF k-quants"):
+        F.plan_cells(specs, ["f16"], [], ["q8_0"])
+
+
+def test_equal_size_goal_against_the_imatrix_rival():
+    cells = [_cell("dense", "q3_k_m", 89, 21, 100), _cell(F.DENSE_IMATRIX, "q3_k_m", 89, 20, 100),
+             _cell("s20-ffn+laco", "q4_k_m", 88, 20.5, 120)]
+    (plain,) = F.equal_size_goal(cells)
+    (rival,) = F.equal_size_goal(cells, rival=F.DENSE_IMATRIX)
+    assert plain["hit"] and not rival["hit"] and f"vs {F.DENSE_IMATRIX} q3_k_m" in rival["goal"]
+
+
 def test_plan_rejects_unknown_names():
     with pytest.raises(ConfigError, match="bogus"):
         F.plan_models([0.3], ["all"], ["bogus"], [], [])
