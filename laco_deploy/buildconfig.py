@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from laco_deploy.config import BuildConfig
+from laco_deploy.config import IMATRIX_CALIB, BuildConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.targets import TARGETS
 
@@ -115,4 +115,7 @@ def _cross_checks(cfg: BuildConfig) -> list[str]:
         errs.append(f"export.sparse_storage only applies to export.target {able}")
     if cfg.export.sparse_storage and cfg.prune.structured is not None:
         errs.append("export.sparse_storage has nothing to compress for prune.structured models (they are dense and smaller)")
+    if cfg.export.imatrix not in (None, IMATRIX_CALIB):  # one file cannot fit the dense, pruned and recovered models
+        errs.append(f"export.imatrix {cfg.export.imatrix!r}: a build computes each exported model's own importance matrix; "
+                    f"set it to {IMATRIX_CALIB} (a file is for `laco-deploy export`)")
     return errs

@@ -287,7 +287,9 @@ class ExportConfig:
     target: str = GGUF.name  # a name in targets.TARGETS
     quant: str | None = None  # None: the target's default_quant (targets.py)
     sparse_storage: bool = False  # store sparse weights compactly (targets that support it)
-    imatrix: str | None = None  # importance-matrix file for llama.cpp's k-quants (targets that take one)
+    # importance matrix steering llama.cpp's k-quants (targets that take one): a file, or IMATRIX_CALIB =
+    # computed from the calibration samples on each exported model (laco_deploy/imatrix.py); None: off
+    imatrix: str | None = None
 
     @property
     def resolved_quant(self) -> str:
@@ -306,6 +308,9 @@ class ExportConfig:
             takes = ", ".join(t.name for t in TARGETS.values() if t.imatrix_quants)
             return [f"export.imatrix is for {takes} k-quants; {self.target} takes no importance matrix: unset export.imatrix"]
         return []
+
+
+IMATRIX_CALIB = "calib"
 
 
 @dataclass(frozen=True)

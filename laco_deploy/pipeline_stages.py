@@ -54,6 +54,10 @@ class Layout:
             return self.root / target.build_artifact.format(quant=self.quant)
         return self.root / "reference" / target.artifact_name(label, self.quant)
 
+    def imatrix(self, label: str) -> Path:
+        """The importance matrix the export of `label` was quantized with (export.imatrix calib)."""
+        return self.root / "imatrix" / f"{label}.imatrix.gguf"
+
     @property
     def manifest(self) -> Path:
         return self.root / "manifest.json"
@@ -140,12 +144,21 @@ class BuildRecipe:
             sources = {"dense": dense_dir, "model": pruned.path}
         outputs = {label: lay.exported(label) for label in sources}
         settings = {"export": to_dict(cfg.export), "quant": lay.quant}
+        weighted = cfg.export.imatrix is not None and lay.quant in target.imatrix_quants
+        if weighted:  # each model's own importance matrix, from the calibration samples
+            inputs["calib"] = src["calib"]
+            settings["data"] = _calib(cfg.data)
+            outputs.update({f"imatrix-{label}": lay.imatrix(label) for label in sources})
 
         def run() -> dict:
+            from laco_deploy.imatrix import compute
+
             results = {}
             for label, model_dir in sources.items():
                 sparse = cfg.export.sparse_storage and label != "dense"
-                results[label] = target.export(model_dir, outputs[label], lay.quant, sparse_storage=sparse).to_dict()
+                imatrix = compute(model_dir, cfg.data, lay.imatrix(label), device=self.device).path if weighted else None
+                results[label] = target.export(model_dir, outputs[label], lay.quant, sparse_storage=sparse,
+                                               imatrix=imatrix).to_dict()
             return results
 
         return self.cache.run("export", settings, inputs, outputs, run, main_only=True).outputs

@@ -99,3 +99,23 @@ def test_resume_after_kill_mid_compensation_equals_uninterrupted(tiny_llama_dir,
     assert trained == [1]  # layer 0 came from its checkpoint
     a, c = _weights(reference), _weights(recovered)
     assert a.keys() == c.keys() and all((a[k] == c[k]).all() for k in a)
+
+
+def test_imatrix_build_weights_each_export_with_its_own_matrix(tiny_llama_dir, tmp_path):
+    """export.imatrix calib: the dense and the pruned model each get the importance matrix of their own
+    activations on the calibration samples; a file is refused (it cannot fit every exported model)."""
+    from laco_deploy.errors import ConfigError
+    from laco_deploy.pipeline import prepare
+
+    out = tmp_path / "b"
+    recipe = prepare(_cfg(tiny_llama_dir, out, export__quant="q4_k_m", export__imatrix="calib", compensate__method="none"))
+    src = recipe.sources()
+    pruned = recipe.prune(src)
+    exported = recipe.export(src, pruned, pruned)
+    assert set(exported) == {"dense", "model", "imatrix-dense", "imatrix-model"}
+    result = recipe.cache.manifest["stages"]["export"]["result"]
+    for label in ("dense", "model"):
+        assert (out / "imatrix" / f"{label}.imatrix.gguf").is_file()
+        assert any("14 weights importance-weighted" in n for n in result[label]["notes"]), result[label]["notes"]
+    with pytest.raises(ConfigError, match="computes each exported model's own importance matrix"):
+        _cfg(tiny_llama_dir, out, export__quant="q4_k_m", export__imatrix="m.gguf")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-COMMANDS = ["build", "prune", "compensate", "fidelity", "export", "inspect", "bench", "bench run"]
+COMMANDS = ["build", "prune", "compensate", "fidelity", "export", "imatrix", "inspect", "bench", "bench run"]
 
 
 def test_root_help_lists_every_stage(cli):
@@ -73,6 +73,8 @@ UNWRITABLE = {
     "compensate": (["compensate", "--sparse", "TINY", "--out", "/proc/forbidden/recovered"], "laco_deploy.compensate", "run"),
     "fidelity": (["fidelity", "--candidate", "TINY", "--report", "/proc/forbidden/report"], "laco_deploy.fidelity", "run"),
     "build": (["build", "--out", "/proc/forbidden/build"], "laco_deploy.pipeline", "build"),
+    "imatrix": (["imatrix", "--model", "default", "--out", "/proc/forbidden.gguf"], "laco_deploy.models",
+                "ensure_default_converted"),
 }
 
 
@@ -120,7 +122,8 @@ def test_build_help_shows_examples_and_exit_codes(cli):
         assert line in out
 
 
-@pytest.mark.parametrize("command", ["prune", "compensate", "fidelity", "export", "inspect", "bench run", "bench compare"])
+@pytest.mark.parametrize("command", ["prune", "compensate", "fidelity", "export", "imatrix", "inspect", "bench run",
+                                     "bench compare"])
 def test_every_command_help_lists_the_exit_codes(cli, command):
     code, out, _ = cli(*command.split(), "--help")
     assert code == 0 and "Exit codes" in out and "2    bad input" in out

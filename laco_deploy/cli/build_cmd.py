@@ -13,7 +13,7 @@ from laco_deploy import __version__
 from laco_deploy.cli import flags, output
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
-from laco_deploy.config import PRUNE_METHODS, BuildConfig, DataConfig, to_dict
+from laco_deploy.config import IMATRIX_CALIB, PRUNE_METHODS, BuildConfig, DataConfig, to_dict
 from laco_deploy.errors import GateFailed
 from laco_deploy.fsutil import check_writable
 from laco_deploy.presets import help_text as preset_help
@@ -41,6 +41,7 @@ def build_command(
     eval_samples: Annotated[Optional[int], Opt("--eval-samples", help=f"Evaluation windows per domain. (default: {_B.data.eval_samples})", show_default=False)] = None,
     seed: SeedOpt = None,
     quant: Annotated[Optional[str], Opt("--quant", help=f"Export type. {quant_help()}.", show_default=False)] = None,
+    imatrix: Annotated[bool, Opt("--imatrix", help="GGUF k-quants: weight each column's rounding error by the model's importance matrix on the calibration samples (as llama-imatrix + llama-quantize --imatrix do), computed for every exported model.")] = False,
     device: DeviceOpt = None,
     out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
     preset: Annotated[Optional[str], Opt("--preset", "-p", help=f"Settings chosen by goal, measured on the default model (benchmarks/RESULTS.md, speed/quality frontier); --config and flags override them. {preset_help()}.", show_default=False)] = None,
@@ -70,6 +71,7 @@ def build_command(
         "prune.pattern": pattern, "prune.structured": structured, "compensate.method": recover,
         "data.calib": calib, "data.eval": eval_, "data.samples": samples, "data.seqlen": seqlen,
         "data.eval_samples": eval_samples, "data.seed": seed, "export.quant": quant, "model.device": device,
+        "export.imatrix": IMATRIX_CALIB if imatrix else None,
         "out": str(out) if out else None, "resume": resume or None, "fidelity.max_kl": max_kl,
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
         "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,

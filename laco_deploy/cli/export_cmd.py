@@ -9,7 +9,7 @@ import typer
 
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import check, console
-from laco_deploy.config import DEFAULT_MODEL, ExportConfig
+from laco_deploy.config import DEFAULT_MODEL, IMATRIX_CALIB, DataConfig, ExportConfig
 from laco_deploy.fsutil import check_writable
 from laco_deploy.targets import TARGETS, quant_help, target_help
 
@@ -21,7 +21,7 @@ def export_command(
     quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. {quant_help()}.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: next to the model, named after it and the type.")] = None,
     sparse_storage: Annotated[bool, typer.Option("--sparse-storage", help="ONNX: store sparse weights compactly (loading densifies them; no speed-up).")] = ExportConfig.sparse_storage,
-    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF k-quants: an importance-matrix file (from `laco-deploy imatrix` or llama.cpp's llama-imatrix) that weights each column's rounding error, as `llama-quantize --imatrix` does.")] = None,
+    imatrix: Annotated[Optional[str], typer.Option("--imatrix", help=f"GGUF k-quants: an importance-matrix file (from `laco-deploy imatrix` or llama.cpp's llama-imatrix) that weights each column's rounding error, as `llama-quantize --imatrix` does; '{IMATRIX_CALIB}' computes it on the model from the default calibration text first (written next to the output).")] = None,
 ) -> None:
     """Export a model for an edge runtime, then check it against PyTorch.
 
@@ -29,7 +29,7 @@ def export_command(
     ONNX is a decoder with KV cache whose input/output names match optimum's ORTModelForCausalLM.
     """
     cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage,
-                       imatrix=str(imatrix) if imatrix is not None else None)
+                       imatrix=imatrix)
     check(cfg.validate())
     check_writable(out, "--out")
     from laco_deploy.models import check_source, local_model_dir
@@ -38,7 +38,13 @@ def export_command(
     model_dir = local_model_dir(model)
     target = TARGETS[cfg.target]
     dest = out or Path(target.artifact_name(model_dir.name, cfg.resolved_quant))
-    result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage, imatrix=imatrix)
+    weights = Path(imatrix) if imatrix not in (None, IMATRIX_CALIB) else None
+    if imatrix == IMATRIX_CALIB and cfg.resolved_quant in target.imatrix_quants:
+        from laco_deploy.imatrix import compute
+
+        weights = Path(compute(model_dir, DataConfig(), dest.with_suffix(".imatrix.gguf")).path)
+        console.print(f"importance matrix of {model_dir.name} on {DataConfig.calib}: {weights}")
+    result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage, imatrix=weights)
     console.print(f"wrote {result.path} ({result.size_bytes / 2**20:.1f} MiB, {result.target} {result.quant})")
     for key, value in result.checks.items():
         console.print(f"  {key}: {value}")
