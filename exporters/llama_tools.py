@@ -99,6 +99,7 @@ def build_quantize(jobs: int | None = None, sdist: Path | None = None) -> Path:
             raise ExportError(f"the llama-quantize build finished without a binary; see {log}")
         with atomic_path(dest) as out:
             shutil.copy2(binary, out)
+    dest.chmod(0o755)  # the atomic write gives a data file's mode
     return dest
 
 

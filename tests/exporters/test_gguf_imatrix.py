@@ -179,3 +179,19 @@ def test_cli_imatrix_then_export(cli, wide_llama_dir, tmp_path):
                        "--out", tmp_path / "o")
     assert code == 2 and "--imatrix" in err
 
+
+
+def test_quantize_tool_location_and_missing_cmake(cache_dir, monkeypatch, tmp_path):
+    import llama_cpp
+
+    monkeypatch.delenv(llama_tools.ENV, raising=False)
+    assert llama_tools.quantize_path() == cache_dir / f"llama.cpp-{llama_cpp.__version__}" / "llama-quantize"
+    assert llama_tools.find_quantize() is None
+    fake = tmp_path / "llama-quantize"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(llama_tools.ENV, str(fake))
+    assert llama_tools.find_quantize() == fake
+    monkeypatch.setattr(llama_tools.shutil, "which", lambda _name: None)
+    with pytest.raises(ExportError, match="needs cmake"):
+        llama_tools.build_quantize()
