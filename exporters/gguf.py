@@ -31,7 +31,8 @@ import numpy as np
 
 from exporters import gguf_imatrix, gguf_model, gguf_vocab
 from exporters.gguf_imatrix import Imatrix
-from exporters.gguf_names import F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
+from exporters.gguf_names import EXPORTER_KEY, F32_SUFFIXES, LACO_PREFIX, QUANTS, QuantSpec
+from laco_deploy import __version__
 from laco_deploy.artifacts import SOURCE_FILE, ExportResult
 from laco_deploy.errors import ExportError
 from laco_deploy.fsutil import atomic_path
@@ -65,7 +66,9 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
     if imat is not None:
         laco["imatrix"] = {"file": Path(imatrix).name, "entries": len(imat.values), "chunks": imat.chunk_count,
                            "chunk_size": imat.chunk_size, "datasets": list(imat.datasets)}
-    with atomic_path(out_path) as tmp:
+    from exporters.gguf_check import read_back
+
+    with atomic_path(out_path) as tmp:  # published under its name only once read back and checked
         if spec.tensor_type is not None:
             notes = _write(model_dir, tmp, plan, config, spec, laco)
         else:
@@ -73,11 +76,9 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
                 f32 = Path(work) / "f32.gguf"
                 notes = _write(model_dir, f32, plan, config, QUANTS["f32"], laco)
                 _llama_quantize(f32, tmp, spec, imat)
-    from exporters.gguf_check import read_back
-
-    checks = read_back(out_path)
-    if check is not None:
-        checks.update(check(model_dir, out_path))
+        checks = read_back(tmp)
+        if check is not None:
+            checks.update(check(model_dir, tmp))
     if plan.per_layer:
         notes.append(f"per-layer widths: written as architecture {plan.arch_name} (llama.cpp reads per-layer "
                      "feed_forward_length and head counts)")
@@ -125,6 +126,7 @@ def _write(model_dir: Path, path: Path, plan, config: dict, spec: QuantSpec, lac
     gguf_model.write_hparams(writer, plan, config)
     writer.add_file_type(spec.file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_string(EXPORTER_KEY, f"laco-deploy {__version__}")  # how a rerun knows the file is its own
     _write_laco_metadata(writer, laco)
     fallbacks = _write_tensors(writer, model_dir, plan, config, spec.tensor_type)
     if fallbacks:

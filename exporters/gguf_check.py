@@ -26,3 +26,13 @@ def read_back(path: Path) -> dict[str, Any]:
         "tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
         "laco_deploy_keys": sorted(laco),
     }
+
+
+def written_here(path: Path) -> bool:
+    """Whether `path` is a GGUF file laco-deploy wrote (it carries laco_deploy.* keys): an export may
+    replace it with --force; any other file is never replaced."""
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception:  # not a GGUF, or a broken one: not ours to replace
+        return False
+    return any(k.startswith("laco_deploy.") for k in reader.fields)

@@ -179,3 +179,4 @@ PRE_TOKENIZERS: list[tuple[str, object]] = [
 # rewritten for the new file instead.
 GENERAL_NOT_CARRIED = ("general.architecture", "general.file_type", "general.quantization_version", "general.alignment")
 LACO_PREFIX = "laco_deploy"  # pruning/compensation settings live under laco_deploy.*
+EXPORTER_KEY = f"{LACO_PREFIX}.exporter"  # "laco-deploy VERSION" in every GGUF it writes

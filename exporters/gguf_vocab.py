@@ -109,7 +109,7 @@ def _load_hf_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as e:
         reason = " ".join(str(e).split())
         raise ExportError(f"cannot load the tokenizer in {model_dir} ({reason}); save it with tokenizer.save_pretrained") from e

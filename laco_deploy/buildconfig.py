@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from laco_deploy.config import IMATRIX_CALIB, BuildConfig
+from laco_deploy.config import IMATRIX_CALIB, BuildConfig, sparsity_conflicts
 from laco_deploy.errors import ConfigError
 from laco_deploy.targets import TARGETS
 
@@ -72,21 +72,53 @@ def merge(file_values: dict[str, Any], overrides: dict[str, Any]) -> BuildConfig
             sections.setdefault(section, {})[name] = value
         else:
             top[name] = value
+    conflicts = sparsity_conflicts(sections.get("prune", {}))
     built: dict[str, Any] = {}
     for name, values in sections.items():
         cls = type(getattr(base, name))
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         errors.extend(f"unknown key {name}.{k} (known: {', '.join(sorted(known))})" for k in unknown)
-        clean = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in known}
+        types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        errors.extend(e for k, v in values.items() if k in known and (e := type_error(f"{name}.{k}", v, types[k])))
+        clean = {k: _as_field(v, types[k]) for k, v in values.items() if k in known}
         built[name] = dataclasses.replace(getattr(base, name), **clean)
+    errors.extend(e for k, v in top.items() if (e := type_error(k, v, "str" if k == "out" else "bool")))
     if errors:
         raise ConfigError("; ".join(errors))
     cfg = dataclasses.replace(base, **built, **top)
-    problems = cfg.validate() + _cross_checks(cfg)
+    problems = cfg.validate() + _cross_checks(cfg) + conflicts
     if problems:
         raise ConfigError("invalid settings: " + "; ".join(problems))
     return _quant_aware_default(cfg, "quant_aware" in sections.get("compensate", {}))
+
+
+_KINDS = {"bool": (bool, "true or false"), "int": (int, "a whole number"), "float": ((int, float), "a number"),
+          "str": (str, "text")}
+
+
+def type_error(setting: str, value: Any, annotation: str) -> str | None:
+    """Why `value` (from a YAML file) cannot be `setting`, whose field is annotated `annotation`, or None."""
+    if value is None:
+        return None if "None" in annotation else f"{setting} must be set (null is not allowed here)"
+    if annotation.startswith("tuple[str"):
+        if isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+            return None
+        return f"{setting} {value!r} must be a list of names, e.g. [q_proj, down_proj]"
+    kind = annotation.split("|")[0].strip()
+    if kind not in _KINDS:
+        return None
+    allowed, words = _KINDS[kind]
+    if isinstance(value, allowed) and (kind == "bool" or not isinstance(value, bool)):
+        return None
+    return f"{setting} {value!r} must be {words}" + (" or null" if "None" in annotation else "")
+
+
+def _as_field(value: Any, annotation: str) -> Any:
+    """A YAML value as its field holds it: lists (or "a, b" text) as tuples."""
+    if annotation.startswith("tuple[") and isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _quant_aware_default(cfg: BuildConfig, given: bool) -> BuildConfig:

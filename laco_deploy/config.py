@@ -140,6 +140,16 @@ class PruneConfig:
         return errs
 
 
+def sparsity_conflicts(given: dict) -> list[str]:
+    """prune.sparsity given together with prune.pattern or prune.structured, which set the share of
+    zeros themselves (`given`: the prune settings the user set; None = not set)."""
+    other = [f"prune.{k} {given[k]}" for k in ("pattern", "structured") if given.get(k) is not None]
+    if given.get("sparsity") is None or not other:
+        return []
+    return [f"prune.sparsity {given['sparsity']} is not used with {' and '.join(other)}, which "
+            f"{'set' if len(other) > 1 else 'sets'} the share of zeros (2:4 zeroes 50%); drop one of them"]
+
+
 @dataclass(frozen=True)
 class CompensateConfig:
     # Defaults picked by measurement (benchmarks/compensate_sweep.py, Wanda 50% SmolLM2-135M, 32 x 128

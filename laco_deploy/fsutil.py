@@ -43,6 +43,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_SHORT_WRITE = re.compile(r"\b\d+ requested and \d+ written\b")
 
 
 def disk_full(e: BaseException) -> bool:
@@ -54,6 +55,8 @@ def disk_full(e: BaseException) -> bool:
             return True
         if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
             return True
+        if isinstance(e, OSError) and e.errno is None and _SHORT_WRITE.search(str(e)):
+            return True  # numpy's tofile (the gguf writer): a short write without errno, which a full disk causes
         e, seen = e.__cause__ or e.__context__, seen + 1
     return False
 
@@ -62,7 +65,7 @@ def output_error(target: Path, e: OSError, option: str = "output path", folder: 
     """The one-line user error for an OSError met while writing `target` (new files go into `folder`,
     default: the nearest existing folder above it), or None when the error is not the user's to fix."""
     folder = folder or _existing_ancestor(Path(target).parent)
-    code = e.errno
+    code = e.errno if e.errno is not None or not disk_full(e) else errno.ENOSPC
     if code in _DISK_FULL:
         return ResourceError(f"no space left on the device while writing {target}; free disk space or choose another {option}")
     if code in (errno.EACCES, errno.EPERM):
@@ -90,7 +93,8 @@ def user_errors(target: Path, option: str = "output path", codes: tuple[int, ...
     try:
         yield
     except OSError as e:
-        mapped = output_error(target, e, option, folder) if codes is None or e.errno in codes else None
+        full = e.errno is None and disk_full(e)
+        mapped = output_error(target, e, option, folder) if codes is None or e.errno in codes or full else None
         if mapped is None:
             raise
         raise mapped from e
@@ -114,6 +118,109 @@ def check_writable(path: Path | None, option: str = "output path", *, into: bool
         fd, probe = tempfile.mkstemp(prefix=".laco-write-check.", dir=where)
         os.close(fd)
         os.unlink(probe)
+
+
+MARKER = ".laco-deploy.json"  # in every folder written by atomic_dir: the files laco-deploy put there
+
+
+def write_marker(folder: Path) -> None:
+    """Record in `folder` that laco-deploy wrote it and which files it holds, so a later run can tell
+    its own output (which it may replace) from a user's folder (which it never touches)."""
+    from laco_deploy import __version__
+
+    files = sorted(str(f.relative_to(folder)) for f in Path(folder).rglob("*") if f.is_file() and f.name != MARKER)
+    (Path(folder) / MARKER).write_text(json.dumps({"tool": "laco-deploy", "version": __version__, "files": files}) + "\n")
+
+
+def _marked_files(folder: Path) -> set[str] | None:
+    """The files the marker of `folder` lists, or None when laco-deploy did not write the folder."""
+    try:
+        doc = json.loads((folder / MARKER).read_text())
+        return set(doc["files"]) if doc.get("tool") == "laco-deploy" else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _names(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+def check_output(path: Path | None, option: str = "output path", *, force: bool = False, kind: str = "folder",
+                 made_here: Any = None, force_option: str = "the force option") -> None:
+    """Refuse, before any work, an output path whose replacement could destroy what laco-deploy did not write.
+
+    kind "folder" (a model folder, an ONNX export) or "file" (a .gguf): `path` is replaced whole, so it
+    must be new, an empty folder, or an earlier laco-deploy output (a folder with its marker and no other
+    files; a file `made_here(path)` recognises) and then only with `force`. Never the current folder
+    or one holding it. kind "into" (a build folder): files are written inside `path`, which must be new,
+    empty, or pass `made_here(path)`. The message names the path and the choices (`option`, and
+    `force_option`, the caller's name for `force`); nothing is changed.
+    """
+    if path is None:
+        return
+    path = Path(path)
+    here, where = Path.cwd(), Path(os.path.abspath(path))
+    if kind != "into" and (where == here or where in here.parents):
+        what = "the current folder" if where == here else "a folder holding the current folder"
+        raise OutputError(f"{option} {path} is {what}, which laco-deploy would replace whole; "
+                          f"name a new {'file' if kind == 'file' else 'folder'} instead, e.g. {option} ./out")
+    if path.is_symlink():
+        raise OutputError(f"{option} {path} is a link; laco-deploy does not replace links: choose another {option}")
+    if path.exists():
+        _check_existing(path, option, force=force, kind=kind, made_here=made_here, force_option=force_option)
+    check_writable(path, option, into=kind == "into")
+
+
+def _check_existing(path: Path, option: str, *, force: bool, kind: str, made_here: Any, force_option: str) -> None:
+    keep = f"choose another {option}; laco-deploy replaces only its own outputs (nothing was changed)"
+    if kind == "file":
+        if path.is_dir():
+            raise OutputError(f"{option} {path} is a folder, and this writes a file there; {keep}")
+        if not (made_here and made_here(path)):
+            raise OutputError(f"{option} {path} is an existing file that laco-deploy did not write; {keep}")
+    elif not path.is_dir():
+        raise OutputError(f"{option} {path} is an existing file, and this writes a folder there; {keep}")
+    else:
+        present = sorted(str(f.relative_to(path)) for f in path.rglob("*") if f.name != MARKER)
+        if not present:
+            return  # an empty folder holds nothing to lose
+        if kind == "into":
+            if made_here and made_here(path):
+                return
+            raise OutputError(f"{option} {path} holds files that are not a laco-deploy build ({_names(present)}); "
+                              f"choose another {option}: a new or empty folder, or an earlier build folder (nothing was changed)")
+        listed = _marked_files(path)
+        foreign = [f for f in present if listed is None or (f not in listed and not (path / f).is_dir())]
+        if foreign:
+            raise OutputError(f"{option} {path} holds files that laco-deploy did not write ({_names(foreign)}); {keep}")
+    if not force:
+        raise OutputError(f"{option} {path} is an earlier laco-deploy output; pass {force_option} to replace it, "
+                          f"or choose another {option}")
+
+
+def check_scratch(folder: Path, option: str = "output path") -> None:
+    """Refuse a checkpoint folder beside an output (`OUT.ckpt`, removed when the run ends) that
+    laco-deploy did not make: a user's folder of that name is never cleared."""
+    folder = Path(folder)
+    ours = (folder / MARKER).is_file() or (folder / "meta.json").is_file()  # meta.json: checkpoints of older versions
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()) or (folder.is_dir() and any(folder.iterdir()) and not ours):
+        raise OutputError(f"{folder}, where a run with {option} keeps its checkpoints, holds files laco-deploy did not "
+                          f"write; move it away or choose another {option} (nothing was changed)")
+
+
+def is_marked(folder: Path) -> bool:
+    """Whether laco-deploy made `folder` (an output, a build or checkpoint folder)."""
+    return _marked_files(Path(folder)) is not None
+
+
+def mark_folder(folder: Path) -> Path:
+    """Create a folder laco-deploy writes into (checkpoints, a build) and mark it as its own, so that a
+    rerun may resume in it, clear it or build into it again."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / MARKER).is_file():
+        write_json(folder / MARKER, {"tool": "laco-deploy", "files": [], "workspace": True})
+    return folder
 
 
 def _alive(pid: int) -> bool:
@@ -189,11 +296,14 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     try:
         with user_errors(target, codes=_DISK_FULL):
             yield tmp
+            write_marker(tmp)
         with user_errors(target):
             os.chmod(tmp, 0o777 & ~_umask())
+            if target.is_symlink() or (target.exists() and not target.is_dir()):
+                raise OutputError(f"{target} is a file or link, not a folder laco-deploy wrote; choose another output path")
             if target.exists():
-                old = target.with_name(f".{target.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
+                # the old folder goes to a name of this process's own (a user's `.NAME.old` is never touched)
+                old = tmp.with_name(tmp.name.removesuffix(".partial") + "-old.partial")
                 os.replace(target, old)
                 os.replace(tmp, target)
                 shutil.rmtree(old, ignore_errors=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from laco_deploy.config import PRUNABLE_LINEARS
+from laco_deploy.errors import ModelError
 from laco_deploy.engine.forward import HEAD_BLOCK_BYTES
 from laco_deploy.memory import proc_bytes
 from laco_deploy.models import decoder_layers, linear_modules
@@ -38,7 +39,12 @@ def skeleton_of(path: Path):
 
     from laco_deploy.engine.lazy import skeleton
 
-    return skeleton(AutoConfig.from_pretrained(Path(path)))
+    try:
+        config = AutoConfig.from_pretrained(Path(path), trust_remote_code=False)
+    except (OSError, ValueError) as e:  # unreadable, or a model type only its own code defines
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot read {Path(path) / 'config.json'}: {first}") from e
+    return skeleton(config)
 
 
 def weight_bytes(model) -> dict[str, int]:

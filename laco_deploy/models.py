@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from laco_deploy import families
+from laco_deploy import families, modelcheck
 from laco_deploy import distributed
 from laco_deploy.artifacts import SOURCE_FILE
 from laco_deploy.config import DEFAULT_MODEL
@@ -139,6 +139,15 @@ def local_dir(source: ModelSource) -> Path:
     return ensure_gguf_converted(source.path)
 
 
+def output_stem(source: ModelSource) -> str:
+    """The name of `local_dir(source)`, known before a GGUF is converted (exports are named after it)."""
+    if source.kind == HF_DIR:
+        return Path(os.path.abspath(source.path)).name
+    if source.kind == HUB:
+        return source.spec.rsplit("/", 1)[-1]
+    return _gguf_cache_path(source.path).name
+
+
 def local_model_dir(spec: str) -> Path:
     """A local HF directory for any model source (converting/downloading once), for exporters."""
     return local_dir(resolve_source(spec))
@@ -163,21 +172,30 @@ def load_model(
     return LoadedModel(model, tok, spec, source.kind, path, source.path)
 
 
-def check_source(spec: str, *, allow_pickle: bool = False) -> ModelSource:
+def check_source(spec: str, *, allow_pickle: bool | None = False, trust_remote_code: bool | None = False,
+                 seqlen: int | None = None) -> ModelSource:
     """Every check of a model source that needs neither loading nor converting it, so that a bad
     model is reported before any slow work: the path exists, an HF directory has a readable
-    config.json of a supported family and weights we may load, a GGUF file that will be converted
-    is complete (one already converted, same size and mtime, is not read again: ~3 s for 100 MB)."""
+    config.json of a supported family, no code of its own unless trusted, complete weights we may load, a GGUF file that will be converted
+    is complete (one already converted, same size and mtime, is not read again: ~3 s for 100 MB).
+    None for allow_pickle / trust_remote_code: the caller offers no such setting (the refusal names none).
+    `seqlen`: the samples' length, refused when longer than the model's context."""
     source = resolve_source(spec)
     if source.kind == HF_DIR:
-        _check_hf_dir(source.path, allow_pickle=allow_pickle)
+        _check_hf_dir(source.path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     elif source.kind in (DEFAULT, GGUF_FILE) and not _is_converted(_gguf_cache_path(source.path)):
         _check_gguf_readable(source.path)
+    if seqlen is not None and source.path is not None:
+        converted = _gguf_cache_path(source.path) if source.kind != HF_DIR else source.path
+        context = modelcheck.context_length(converted) if _is_converted(converted) else \
+            modelcheck.context_length(source.path, gguf_file=source.kind != HF_DIR)
+        modelcheck.check_seqlen(seqlen, context, spec)
     return source
 
 
-def _check_hf_dir(path: Path, *, allow_pickle: bool) -> bool:
-    """config.json, its family and the weights' format, from the files alone; -> whether safetensors are there."""
+def _check_hf_dir(path: Path, *, allow_pickle: bool | None, trust_remote_code: bool | None = False) -> bool:
+    """config.json, its family, its own code and the weights' format, from the files alone; -> whether
+    safetensors are there."""
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} has no config.json: it is not a Hugging Face model directory")
     try:
@@ -187,22 +205,21 @@ def _check_hf_dir(path: Path, *, allow_pickle: bool) -> bool:
     if not isinstance(raw, dict):
         raise ModelError(f"{path / 'config.json'} holds no JSON object; it is not a Hugging Face model config")
     check_architecture(SimpleNamespace(architectures=raw.get("architectures"), model_type=raw.get("model_type")))
+    modelcheck.check_custom_code(path, trust_remote_code)
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if not has_safetensors and not has_pickle:
         raise ModelError(f"{path} has no weights (*.safetensors); save the model with safetensors")
     if not has_safetensors and not allow_pickle:
-        raise ModelError(
-            f"{path} holds only pickled weights (*.bin), which can run arbitrary code when loaded; "
-            "convert them to safetensors, or turn on model.allow_pickle if you trust the source"
-        )
+        raise modelcheck.pickle_refusal(path, allow_pickle)
+    modelcheck.check_safetensors(path)
     return has_safetensors
 
 
 def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    has_safetensors = _check_hf_dir(path, allow_pickle=allow_pickle)
+    has_safetensors = _check_hf_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, json.JSONDecodeError) as e:
@@ -219,7 +236,10 @@ def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
             )
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, RuntimeError) as e:
-        raise ModelError(f"cannot load the model in {path}: {e}") from e
+        if has_safetensors:
+            modelcheck.check_shapes(path)  # a shape mismatch, named in one line (transformers points at a report it logged)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot load the model in {path}: {first}") from e
     model.eval()
     return model, tok
 
@@ -334,8 +354,8 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
     except Exception as e:  # connection errors come in many types across hub versions
-        name = type(e).__name__
-        if "NotFound" in name or "RepositoryNotFound" in name:
+        # only the hub itself can say a repository does not exist (LocalEntryNotFoundError means offline)
+        if any(c.__name__ in ("RepositoryNotFoundError", "GatedRepoError") for c in type(e).__mro__):
             raise ModelError(f"hub model {repo_id!r} does not exist or is private; check the id") from e
         raise ModelError(offline_hint) from e
     return path

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from laco_deploy import __version__, distributed
 from laco_deploy.config import BuildConfig, to_dict
+from laco_deploy.fsutil import mark_folder
 from laco_deploy.models import resolve_device
 from laco_deploy.pipeline_stages import BuildRecipe
 from laco_deploy.stagecache import StageCache
@@ -28,7 +29,8 @@ def check_inputs(cfg: BuildConfig) -> None:
     from laco_deploy.models import check_source
 
     resolve_device(cfg.model.device)
-    check_source(cfg.model.model, allow_pickle=cfg.model.allow_pickle)
+    check_source(cfg.model.model, allow_pickle=cfg.model.allow_pickle, trust_remote_code=cfg.model.trust_remote_code,
+                 seqlen=cfg.data.seqlen)
     check_texts(cfg.data.calib, "calib")
     check_texts(cfg.data.eval, "eval")
     if cfg.fidelity.tasks:
@@ -44,7 +46,7 @@ def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None
     check_inputs(cfg)
     device = resolve_device(cfg.model.device)
     root = Path(cfg.out)
-    root.mkdir(parents=True, exist_ok=True)
+    mark_folder(root)  # a rerun may build into it again; a user's folder is refused (fsutil.check_output)
     header = {
         "tool": "laco-deploy",
         "version": __version__,

@@ -19,13 +19,24 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
 from laco_deploy import __version__, distributed
-from laco_deploy.fsutil import sha256_tree, write_json
+from laco_deploy.fsutil import is_marked, sha256_tree, write_json
 from laco_deploy.memory import measure, release_memory
 
 log = logging.getLogger(__name__)
 
 SOURCES = "inputs"  # the manifest section holding the build's own inputs (Output.stage of a source)
 MANIFEST = "manifest.json"
+
+
+def is_build_folder(path: Path) -> bool:
+    """Whether `path` is a build folder laco-deploy made (marked when created; older ones by their manifest)."""
+    if is_marked(path):
+        return True
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("tool") == "laco-deploy" and "stages" in manifest
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ class Target:
     build_artifact: str  # the exported model's name in a build folder: format(quant=)
     file_suffix: str = ""  # a single file with this suffix is this target's output
     folder_marker: str = ""  # a folder holding this file is this target's output
+    written_here: str = ""  # "module:function" (path) -> whether a file output is one laco-deploy wrote
     sparse_storage: bool = False  # the exporter can store sparse weights compactly
     # weight types the exporter makes with llama.cpp's quantizer, which an importance-matrix file steers
     imatrix_quants: tuple[str, ...] = ()
@@ -59,6 +60,14 @@ class Target:
         if self.file_suffix and path.suffix.lower() == self.file_suffix:
             return True
         return bool(self.folder_marker) and path.is_dir() and (path / self.folder_marker).is_file()
+
+    def check_out(self, dest: Path, option: str, *, force: bool = False, force_option: str = "the force option") -> None:
+        """Before any work: `dest` may be written (new, or an earlier export of ours with `force`)."""
+        from laco_deploy.fsutil import check_output
+
+        made_here = _load(self.written_here) if self.written_here else None
+        check_output(dest, option, force=force, kind="file" if made_here else "folder", made_here=made_here,
+                     force_option=force_option)
 
     def export(self, model_dir: Path, dest: Path, quant: str, *, sparse_storage: bool = False,
                imatrix: Path | None = None):
@@ -100,6 +109,7 @@ GGUF = Target(
     build_artifact="model.{quant}.gguf",
     file_suffix=".gguf",
     imatrix_quants=("q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k"),  # = exporters.gguf_names.QUANTS without tensor_type
+    written_here="exporters.gguf_check:written_here",
     description="llama.cpp",
     context_option="n_ctx",  # its logits buffers are n_ctx x vocab floats
     # Wanda 50% SmolLM2-135M, CPU budget: llama.cpp ppl 46.5 -> 45.0 (seed 0), lower on all four

@@ -91,7 +91,7 @@ def eval_tokens(path: Path, eval_spec: str, cfg: BenchConfig) -> dict[str, list]
 
     folder = model_file(path).parent
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise RuntimeBackendError(f"no tokenizer next to {model_file(path)} ({e}); benchmark an export folder written with export.target onnx") from e
     ids = tok(harness.eval_text(eval_spec))["input_ids"]

@@ -45,7 +45,7 @@ def gguf_parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS)
     from laco_deploy.data import evaluation_stream, load_texts
     from laco_deploy.engine.forward import model_logits
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
     stream = evaluation_stream(tokenizer, "builtin", max_tokens=n_tokens)
     # the PyTorch reference runs on the layer engine (one decoder layer in memory), before llama.cpp loads
     ref = model_logits(model_dir, stream, torch.device("cpu"))

@@ -43,7 +43,9 @@ def _on_sigterm(signum, frame) -> None:
 
 def _interrupted() -> None:
     if distributed.claim_report():
-        err_console.print("interrupted: partial files were removed; rerun with --resume to continue where it stopped")
+        again = ("rerun with --resume to continue where it stopped" if flags.running_has("--resume")
+                 else "rerun the command to start it again")
+        err_console.print(f"interrupted: partial files were removed; {again}")
     sys.exit(143 if _terminated else 130)
 
 
@@ -91,8 +93,9 @@ def _run(args: list[str]) -> None:
         if state.debug:
             raise
         if disk_full(e):  # a library's own wrapper around ENOSPC: still the user's to fix
+            resume = ", adding --resume" if flags.running_has("--resume") else ""
             _report("[bold red]error:[/] no space left on the device while writing results; free disk space (or "
-                    "write to another disk) and rerun, adding --resume where the command has it", ResourceError.exit_code)
+                    f"write to another disk) and rerun{resume}", ResourceError.exit_code)
         _report(f"[bold red]internal error:[/] {type(e).__name__}: {e} (rerun with --debug for the traceback and please report it)", 3)
     finally:
         distributed.teardown()

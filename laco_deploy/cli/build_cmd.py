@@ -12,10 +12,10 @@ import typer
 from laco_deploy import __version__
 from laco_deploy.cli import flags, output
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, console
+from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, TrustRemoteCodeOpt, console
 from laco_deploy.config import IMATRIX_CALIB, PRUNE_METHODS, BuildConfig, DataConfig, to_dict
 from laco_deploy.errors import GateFailed
-from laco_deploy.fsutil import check_writable
+from laco_deploy.fsutil import check_output, mark_folder
 from laco_deploy.presets import help_text as preset_help
 from laco_deploy.targets import quant_help, target_help
 
@@ -43,6 +43,7 @@ def build_command(
     quant: Annotated[Optional[str], Opt("--quant", help=f"Export type. {quant_help()}.", show_default=False)] = None,
     imatrix: Annotated[bool, Opt("--imatrix", help="GGUF k-quants: weight each column's rounding error by the model's importance matrix on the calibration samples (as llama-imatrix + llama-quantize --imatrix do), computed for every exported model.")] = False,
     device: DeviceOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
     preset: Annotated[Optional[str], Opt("--preset", "-p", help=f"Settings chosen by goal, measured on the default model (benchmarks/RESULTS.md, speed/quality frontier); --config and flags override them. {preset_help()}.", show_default=False)] = None,
     config: Annotated[Optional[Path], Opt("--config", "-c", help="YAML file with any of these settings by section (model, data, prune, compensate, fidelity, export, bench); flags override it.", show_default=False)] = None,
@@ -64,6 +65,7 @@ def build_command(
     from laco_deploy.fidelity.tasks import parse_task_list
     from laco_deploy.pipeline import build, check_inputs
     from laco_deploy.presets import layer, preset_values
+    from laco_deploy.stagecache import is_build_folder
     from laco_deploy.summary import summary_lines
 
     overrides = {
@@ -72,6 +74,7 @@ def build_command(
         "data.calib": calib, "data.eval": eval_, "data.samples": samples, "data.seqlen": seqlen,
         "data.eval_samples": eval_samples, "data.seed": seed, "export.quant": quant, "model.device": device,
         "export.imatrix": IMATRIX_CALIB if imatrix else None,
+        "model.trust_remote_code": trust_remote_code or None,
         "out": str(out) if out else None, "resume": resume or None, "fidelity.max_kl": max_kl,
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
         "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,
@@ -80,8 +83,9 @@ def build_command(
     if preset is not None:  # under the file and the flags, like a config file of its own
         file_values = layer(preset_values(preset), file_values, {k for k, v in overrides.items() if v is not None})
     cfg = merge(file_values, overrides)
-    check_writable(Path(cfg.out), "--out", into=True)
+    check_output(Path(cfg.out), "--out", kind="into", made_here=is_build_folder)
     check_inputs(cfg)  # before the build folder and its log exist: a bad input leaves nothing behind
+    mark_folder(Path(cfg.out))
     with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
         log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))
         output.say(f"building into {cfg.out} ({'preset ' + preset + ', ' if preset else ''}target {cfg.export.target} {cfg.export.resolved_quant}, "

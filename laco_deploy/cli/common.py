@@ -27,6 +27,9 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Dense model: a Hug
 # Flags shared by several commands: declared here once, with one help text.
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="Where layers run: auto (CUDA when present), cpu, cuda or cuda:N.")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickled *.bin weights (can run code on load; only for sources you trust).")]
+TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help=(
+    "Allow a model folder's own Python code (auto_map in its config) to run on load; only for sources you trust. "
+    "Default: such a folder is refused."))]
 CalibOpt = Annotated[str, typer.Option("--calib", help="Calibration text: builtin (Wikipedia), builtin:mixed (Wikipedia + Python source), a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")]
 EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation texts (never used for calibration), comma-separated: 'domains' (builtin Wikipedia plus the shipped fiction, techdoc and code texts; in-domain where calibration covers the genre: builtin:mixed covers Wikipedia and code), builtin, builtin:fiction|techdoc|code, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]. Each is reported as its own domain.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of calibration samples.")]
@@ -41,6 +44,9 @@ OffloadOpt = Annotated[str, typer.Option("--offload", help=(
 ResumeOpt = Annotated[bool, typer.Option("--resume", help=(
     "Continue an interrupted run from its checkpoints (OUT.ckpt; build: the build folder's) with the same "
     "settings; the result equals an uninterrupted run. Default: off, start over."))]
+ForceOpt = Annotated[bool, typer.Option("--force", help=(
+    "Replace --out when it is an earlier laco-deploy output. A file or folder laco-deploy did not write is "
+    "never replaced, with or without --force."))]
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help=(
     "Calibration samples per layer call when pruning, per training step when compensating (memory grows with it)."))]
 OptFloat = Optional[float]
@@ -52,8 +58,17 @@ def check(errors: list[str]) -> None:
         raise ConfigError("; ".join(errors))
 
 
-def model_config(model: str, device: str, allow_pickle: bool) -> ModelConfig:
-    cfg = ModelConfig(model=model, device=device, allow_pickle=allow_pickle)
+def check_model_out(out, force: bool) -> None:
+    """Before any work: `out` (a model folder) may be written, and its checkpoint folder is ours or new."""
+    from laco_deploy.artifacts import checkpoint_dir
+    from laco_deploy.fsutil import check_output, check_scratch
+
+    check_output(out, "--out", force=force, force_option="--force")
+    check_scratch(checkpoint_dir(out), "--out")
+
+
+def model_config(model: str, device: str, allow_pickle: bool, trust_remote_code: bool = False) -> ModelConfig:
+    cfg = ModelConfig(model=model, device=device, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     check(cfg.validate())
     return cfg
 

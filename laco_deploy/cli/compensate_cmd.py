@@ -13,10 +13,13 @@ from laco_deploy.cli.common import (
     CalibOpt,
     DeviceOpt,
     OffloadOpt,
+    TrustRemoteCodeOpt,
     ResumeOpt,
     SeedOpt,
     SeqlenOpt,
+    ForceOpt,
     check,
+    check_model_out,
     console,
     model_config,
 )
@@ -73,7 +76,9 @@ def compensate_command(
     lora_lr: Annotated[float, typer.Option("--lora-lr", help="LoRA AdamW learning rate.")] = _C.lora_lr,
     offload: OffloadOpt = _C.offload,
     resume: ResumeOpt = False,
+    force: ForceOpt = False,
     device: DeviceOpt = ModelConfig.device,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     calib: CalibOpt = _D.calib,
     samples: Annotated[Optional[int], typer.Option("--samples", help=f"Calibration samples. Default: {_C.gpu_samples} on CUDA (the paper), {_C.cpu_samples} on CPU (a small budget, at most {_C.cpu_seqlen} tokens each).")] = None,
     seqlen: SeqlenOpt = _D.seqlen,
@@ -85,7 +90,7 @@ def compensate_command(
     Only one decoder layer and its dense twin are on the device at a time; activations stay in RAM
     or on disk. The sparsity pattern is kept bit-exactly.
     """
-    mcfg = model_config(dense, device, False)
+    mcfg = model_config(dense, device, False, trust_remote_code)
     dcfg = DataConfig(calib=calib, samples=samples if samples is not None else _D.samples, seqlen=seqlen, seed=seed)
     ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
                             batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
@@ -95,7 +100,7 @@ def compensate_command(
                             final_kl_samples=final_kl_samples, val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())
-    check_writable(out, "--out")
+    check_model_out(out, force)
     check_writable(json_out, "--json")
     from laco_deploy.compensate import run
     from laco_deploy.models import resolve_device

@@ -8,9 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import check, console
+from laco_deploy.cli.common import ForceOpt, check, console
 from laco_deploy.config import DEFAULT_MODEL, IMATRIX_CALIB, DataConfig, ExportConfig
-from laco_deploy.fsutil import check_writable
 from laco_deploy.targets import TARGETS, quant_help, target_help
 
 
@@ -19,7 +18,8 @@ def export_command(
     model: Annotated[str, typer.Option("--model", "-m", help=f"Model to export: a Hugging Face directory (e.g. a pruned or compensated one), a .gguf file, a hub id or '{DEFAULT_MODEL}'.")] = DEFAULT_MODEL,
     target: Annotated[str, typer.Option("--target", "-t", help=f"{target_help()}.")] = ExportConfig.target,
     quant: Annotated[Optional[str], typer.Option("--quant", help=f"Weight type. {quant_help()}.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: next to the model, named after it and the type.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output .gguf file, or ONNX output folder. Default: in the current folder, named after the model and the type.")] = None,
+    force: ForceOpt = False,
     sparse_storage: Annotated[bool, typer.Option("--sparse-storage", help="ONNX: store sparse weights compactly (loading densifies them; no speed-up).")] = ExportConfig.sparse_storage,
     imatrix: Annotated[Optional[str], typer.Option("--imatrix", help=f"GGUF k-quants: an importance-matrix file (from `laco-deploy imatrix` or llama.cpp's llama-imatrix) that weights each column's rounding error, as `llama-quantize --imatrix` does; '{IMATRIX_CALIB}' computes it on the model from the default calibration text first (written next to the output).")] = None,
 ) -> None:
@@ -31,18 +31,24 @@ def export_command(
     cfg = ExportConfig(target=target.lower(), quant=quant, sparse_storage=sparse_storage,
                        imatrix=imatrix)
     check(cfg.validate())
-    check_writable(out, "--out")
-    from laco_deploy.models import check_source, local_model_dir
+    from laco_deploy.modelcheck import check_shapes
+    from laco_deploy.models import HF_DIR, check_source, local_dir, output_stem
 
-    check_source(model)  # before a GGUF is converted or an exporter loads anything
-    model_dir = local_model_dir(model)
     target = TARGETS[cfg.target]
-    dest = out or Path(target.artifact_name(model_dir.name, cfg.resolved_quant))
+    source = check_source(model, allow_pickle=None, trust_remote_code=None)  # before a GGUF is converted or anything loads
+    if source.kind == HF_DIR:
+        check_shapes(source.path)  # a tensor of the wrong shape fails here, not halfway through writing
+    dest = out or Path(target.artifact_name(output_stem(source), cfg.resolved_quant))
+    target.check_out(dest, "--out", force=force, force_option="--force")
     weights = Path(imatrix) if imatrix not in (None, IMATRIX_CALIB) else None
+    imatrix_out = dest.with_suffix(".imatrix.gguf")
+    if imatrix == IMATRIX_CALIB and cfg.resolved_quant in target.imatrix_quants:
+        target.check_out(imatrix_out, "--out", force=force, force_option="--force")  # written beside --out
+    model_dir = local_dir(source)
     if imatrix == IMATRIX_CALIB and cfg.resolved_quant in target.imatrix_quants:
         from laco_deploy.imatrix import compute
 
-        weights = Path(compute(model_dir, DataConfig(), dest.with_suffix(".imatrix.gguf")).path)
+        weights = Path(compute(model_dir, DataConfig(), imatrix_out).path)
         console.print(f"importance matrix of {model_dir.name} on {DataConfig.calib}: {weights}")
     result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage, imatrix=weights)
     console.print(f"wrote {result.path} ({result.size_bytes / 2**20:.1f} MiB, {result.target} {result.quant})")

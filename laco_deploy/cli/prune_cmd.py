@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import (
     AllowPickleOpt,
+    TrustRemoteCodeOpt,
     BatchSizeOpt,
     CalibOpt,
     DeviceOpt,
@@ -19,13 +20,14 @@ from laco_deploy.cli.common import (
     SamplesOpt,
     SeedOpt,
     SeqlenOpt,
+    ForceOpt,
     check,
+    check_model_out,
     console,
     data_config,
     model_config,
 )
-from laco_deploy.config import PRUNABLE_LINEARS, PRUNE_METHODS, DataConfig, ModelConfig, PruneConfig
-from laco_deploy.fsutil import check_writable
+from laco_deploy.config import PRUNABLE_LINEARS, PRUNE_METHODS, DataConfig, ModelConfig, PruneConfig, sparsity_conflicts
 
 _P, _D, _M = PruneConfig(), DataConfig(), ModelConfig()
 
@@ -42,7 +44,7 @@ def prune_command(
     out: Annotated[Path, typer.Option("--out", "-o", help="Output Hugging Face directory (written atomically; checkpoints go to OUT.ckpt while running).")],
     model: ModelOpt = _M.model,
     method: Annotated[str, typer.Option("--method", help=f"Pruning method: {', '.join(PRUNE_METHODS)}.")] = _P.method,
-    sparsity: Annotated[float, typer.Option("--sparsity", help="Unstructured share of weights zeroed in every output row, in [0, 1).")] = _P.sparsity,
+    sparsity: Annotated[Optional[float], typer.Option("--sparsity", help=f"Unstructured share of weights zeroed in every output row, in [0, 1). Default: {_P.sparsity} (not with --pattern or --structured, which set the share themselves).", show_default=False)] = None,
     pattern: Annotated[str | None, typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
     structured: Annotated[float | None, typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
     structured_metric: Annotated[str, typer.Option("--structured-metric", help="Importance for --structured: wanda (|W|*||X|| summed per channel) or fluctuation (FLAP).")] = _P.structured_metric,
@@ -59,6 +61,8 @@ def prune_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result record as JSON instead of the summary.")] = False,
     device: DeviceOpt = _M.device,
     allow_pickle: AllowPickleOpt = False,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    force: ForceOpt = False,
     calib: CalibOpt = _D.calib,
     samples: SamplesOpt = _D.samples,
     seqlen: SeqlenOpt = _D.seqlen,
@@ -72,14 +76,15 @@ def prune_command(
     from laco_deploy.models import resolve_device
     from laco_deploy.prune import run
 
-    mcfg = model_config(model, device, allow_pickle)
+    check(sparsity_conflicts({"sparsity": sparsity, "pattern": pattern, "structured": structured}))
+    mcfg = model_config(model, device, allow_pickle, trust_remote_code)
     dcfg = data_config(calib, _D.eval, samples, seqlen, _D.eval_samples, seed)
-    pcfg = PruneConfig(method=method.lower(), sparsity=sparsity, pattern=pattern, structured=structured,
+    pcfg = PruneConfig(method=method.lower(), sparsity=_P.sparsity if sparsity is None else sparsity, pattern=pattern, structured=structured,
                        structured_metric=structured_metric, structured_multiple=structured_multiple, targets=parse_targets(targets), sparsegpt_damp=damp,
                        sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload,
                        batch_size=batch_size)
     check(pcfg.validate())
-    check_writable(out, "--out")
+    check_model_out(out, force)
     result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
     if as_json:
         import json

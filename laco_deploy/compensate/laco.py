@@ -36,6 +36,7 @@ from laco_deploy.engine import (
     walk_layers,
 )
 from laco_deploy.engine.cache import ActivationCache
+from laco_deploy.fsutil import mark_folder
 from laco_deploy.memory import Measurement, current_rss_bytes, measure
 from laco_deploy.models import decoder_layers
 
@@ -161,7 +162,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    mark_folder(checkpoint_dir)  # marked as ours: a rerun may resume or clear it
     skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
             if kl_samples else None)
     if not distributed.agree(skip is None):  # rank 0 decides: every rank must run the same collectives

@@ -41,8 +41,9 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: Compensate
         raise ModelError(f"pruned model directory {sparse_dir} not found (no config.json there); "
                          "prune a model into DIR first (prune.out DIR) and pass DIR as compensate.sparse")
     if comp_cfg.method != "none":  # before either model loads
-        check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)
-        check_source(str(sparse_dir))
+        trust = model_cfg.trust_remote_code
+        check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=trust, seqlen=data_cfg.seqlen)
+        check_source(str(sparse_dir), trust_remote_code=trust)
         data_mod.check_texts(data_cfg.calib, "calib")
 
 

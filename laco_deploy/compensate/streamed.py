@@ -80,7 +80,7 @@ def open_models(model_cfg: ModelConfig, sparse_dir: Path, cfg: CompensateConfig,
         if not _has_safetensors(sparse_dir):
             raise ModelError(f"{sparse_dir} has no *.safetensors; compensate.offload disk streams layers from safetensors files only")
         sparse_lazy = LazyModel.open(sparse_dir, spill_dir=spill_dir, rest=False)  # embeddings: only to embed the samples
-        tokenizer = AutoTokenizer.from_pretrained(sparse_dir)
+        tokenizer = AutoTokenizer.from_pretrained(sparse_dir, trust_remote_code=False)
         return Models(dense, sparse_lazy.model, tokenizer, dense_lazy, sparse_lazy)
     if cfg.method == "lora":
         log.info("the LoRA baseline trains the whole pruned model at once: it holds its %.2f GiB of fp32 weights in RAM "

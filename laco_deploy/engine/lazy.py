@@ -133,7 +133,7 @@ class LazyModel:
         from transformers import AutoConfig
 
         path = Path(path)
-        model = skeleton(AutoConfig.from_pretrained(path))
+        model = skeleton(AutoConfig.from_pretrained(path, trust_remote_code=False))
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # recompute its tables on CPU
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)

@@ -165,7 +165,8 @@ def run(
     if not candidates:
         raise ConfigError("no candidate given; pass at least one model to compare, e.g. fidelity.candidate pruned=out/pruned")
     t0 = time.perf_counter()
-    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)  # bad inputs fail before any model loads
+    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code,
+                 seqlen=data_cfg.seqlen)  # bad inputs fail before any model loads
     check_texts(data_cfg.eval, "eval")
     zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None
     device = device if device is not None else resolve_device(model_cfg.device)

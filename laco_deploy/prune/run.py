@@ -28,6 +28,7 @@ from laco_deploy.config import (
 )
 from laco_deploy.engine import Lane, LayerCheckpoints, LazyModel, WalkOptions, capture_inputs, walk_layers
 from laco_deploy.errors import ConfigError
+from laco_deploy.fsutil import mark_folder
 from laco_deploy.memory import measure
 from laco_deploy.models import (
     HUB,
@@ -49,7 +50,8 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConf
     errors = model_cfg.validate() + data_cfg.validate() + prune_cfg.validate()
     if errors:
         raise ConfigError("; ".join(errors))
-    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle)  # before the model loads
+    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code,
+                 seqlen=data_cfg.seqlen)  # before the model loads
     data_mod.check_texts(data_cfg.calib, "calib")
 
 
@@ -136,7 +138,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
         if prune_cfg.structured is not None:
             structural.check_feasible(src.model.config, prune_cfg)
         ids = data_mod.calibration_samples(src.tokenizer, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)
-        ckpt.mkdir(parents=True, exist_ok=True)
+        mark_folder(ckpt)  # marked as ours: a rerun may resume or clear it
         dense_numel = _dense_numel(src.model)
         records, ratios = _prune_layers(src, ids, prune_cfg, _fingerprint(src.ident, data_cfg, prune_cfg), ckpt,
                                         resume=resume, device=device)
