@@ -187,8 +187,9 @@ def _check_existing(path: Path, option: str, *, force: bool, kind: str, made_her
         if kind == "into":
             if made_here and made_here(path):
                 return
-            raise OutputError(f"{option} {path} holds files that are not a laco-deploy build ({_names(present)}); "
-                              f"choose another {option}: a new or empty folder, or an earlier build folder (nothing was changed)")
+            raise OutputError(f"{option} {path} holds files that laco-deploy did not write ({_names(present)}) and is "
+                              f"not a build folder; choose another {option}: a new or empty folder, or an earlier build "
+                              "folder (nothing was changed)")
         listed = _marked_files(path)
         foreign = [f for f in present if listed is None or (f not in listed and not (path / f).is_dir())]
         if foreign:

@@ -33,14 +33,14 @@ Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 tensor (32 int8 + an fp16 sca
 KL_CHUNK_ROWS = 16  # fidelity.metrics computes log-softmax in float64 chunks of this many rows
 
 
-def skeleton_of(path: Path):
+def skeleton_of(path: Path, trust_remote_code: bool = False):
     """The causal LM of the HF directory `path` on `meta` (reads config.json only)."""
     from transformers import AutoConfig
 
     from laco_deploy.engine.lazy import skeleton
 
     try:
-        config = AutoConfig.from_pretrained(Path(path), trust_remote_code=False)
+        config = AutoConfig.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # unreadable, or a model type only its own code defines
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot read {Path(path) / 'config.json'}: {first}") from e
@@ -64,9 +64,9 @@ def weight_bytes(model) -> dict[str, int]:
             "ffn_max": max(widths, default=0)}
 
 
-def model_bytes(path: Path) -> dict[str, int]:
+def model_bytes(path: Path, trust_remote_code: bool = False) -> dict[str, int]:
     """weight_bytes of the model in the HF directory `path`."""
-    return weight_bytes(skeleton_of(path))
+    return weight_bytes(skeleton_of(path, trust_remote_code))
 
 
 def available_bytes() -> int | None:

@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from dataclasses import dataclass
@@ -235,6 +236,9 @@ def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
                 path, dtype=torch.float32, use_safetensors=has_safetensors, trust_remote_code=trust_remote_code
             )
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except pickle.UnpicklingError as e:  # torch's weights-only loader met code, not plain tensors
+        raise ModelError(f"the pickled weights in {path} hold more than tensors (objects torch will not load without "
+                         "running code), so laco-deploy refuses them; use a safetensors copy of the model") from e
     except (OSError, ValueError, RuntimeError) as e:
         if has_safetensors:
             modelcheck.check_shapes(path)  # a shape mismatch, named in one line (transformers points at a report it logged)

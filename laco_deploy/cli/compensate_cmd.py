@@ -43,7 +43,7 @@ def _summary(result) -> None:
     if "lora" in s:
         lo = s["lora"]
         console.print(f"LM loss (held-out) {lo['lm_loss_before']} -> {lo['lm_loss_after']} after {lo['epochs_run']} epochs")
-    console.print(f"wall time {result.wall_s:.1f} s on {s['device']}")
+    console.print(f"wall time {result.wall_s:.1f} s" + (f" on {s['device']}" if "device" in s else ""))  # method none: a copy
     for note in result.notes:
         console.print(f"  {note}")
 

@@ -52,7 +52,7 @@ def plan_command(
     cfg = BuildConfig(data=data, prune=PruneConfig(offload=offload), compensate=CompensateConfig(offload=offload))
     check(cfg.validate())
     check_source(model, allow_pickle=True, trust_remote_code=trust_remote_code, seqlen=seqlen)  # reads no weights: pickles are fine
-    sizes = model_bytes(local_model_dir(model))
+    sizes = model_bytes(local_model_dir(model), trust_remote_code)
     job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"))
     stages = estimate_build(sizes, job)
     if as_json:
