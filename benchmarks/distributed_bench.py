@@ -76,9 +76,9 @@ def main() -> None:
         t = times.setdefault(n, {})
         for method in ("wanda", "sparsegpt"):
             t[f"prune {method}"] = launch(n, ["prune", "--model", a.model, "--method", method, *data,
-                                              "--out", str(work / f"n{n}" / method)])
+                                              "--out", str(work / f"n{n}" / method), "--force"])
         t["compensate laco"] = launch(n, ["compensate", "--dense", a.model, "--sparse", str(work / "n1" / "wanda"),
-                                          "--epochs", str(a.epochs), *data, "--out", str(work / f"n{n}" / "laco")])
+                                          "--epochs", str(a.epochs), *data, "--out", str(work / f"n{n}" / "laco"), "--force"])
     cands = ["--candidate", f"wanda={work / 'n1' / 'wanda'}"]
     cands += [arg for n in a.procs for arg in ("--candidate", f"laco_n{n}={work / f'n{n}' / 'laco'}")]
     reports = {}

@@ -126,7 +126,7 @@ def main() -> None:
             t.add(f"peak CUDA memory {method}", None, 0, "needs the build's pruned model and time left")
             continue
         code, tail, s = run(cli("compensate", "--method", method, *common, "--json", str(w / f"{method}.json"),
-                                "--out", str(w / method)), min(120, t.left() - 30))
+                                "--out", str(w / method), "--force"), min(120, t.left() - 30))
         peaks[method] = peak(w / f"{method}.json") if code == 0 else None
         t.add(f"peak CUDA memory {method} (batch {a.batch_size}, seqlen {a.seqlen})", code == 0, s, peaks[method] or tail)
 
@@ -136,7 +136,7 @@ def main() -> None:
         t.add("torchrun data parallel", None, 0, "no time left in the 8-minute budget")
     else:
         prune = ["prune", "--model", "default", "--method", "wanda", "--samples", "64", "--seqlen", str(a.seqlen),
-                 "--device", "auto"]
+                 "--device", "auto", "--force"]
         c1, tail1, s1 = run(cli(*prune, "--out", str(w / "p1")), t.left() / 2)
         c2, tail2, s2 = run(torchrun(gpus, *prune, "--out", str(w / f"p{gpus}")), t.left() - 10)
         ok = c1 == 0 and c2 == 0

@@ -71,7 +71,7 @@ def prune_once(args: list[str], out: Path, calib: argparse.Namespace) -> dict:
     """Run `laco-deploy prune --json` in a fresh process; return its result record."""
     cmd = [sys.executable, "-c", "from laco_deploy.cli import main; main()", "--quiet", "prune", "--model", "default",
            "--device", "cpu", "--samples", str(calib.samples), "--seqlen", str(calib.seqlen), "--out", str(out),
-           "--json", *args]
+           "--force", "--json", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
     if proc.returncode != 0:

@@ -143,7 +143,7 @@ def recover(method: str, sparse: Path, out: Path, samples: int, args, extra: lis
     cmd = [sys.executable, "-c", "from laco_deploy.cli import main; main()", "--quiet", "compensate",
            "--dense", "default", "--sparse", str(sparse), "--out", str(out), "--method", method,
            "--samples", str(samples), "--seqlen", str(args.seqlen), "--epochs", str(args.epochs),
-           "--batch-size", str(args.batch_size), "--device", "cpu", "--json", str(rec), *(extra or [])]
+           "--batch-size", str(args.batch_size), "--device", "cpu", "--json", str(rec), "--force", *(extra or [])]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

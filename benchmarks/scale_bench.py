@@ -85,11 +85,11 @@ def stage_commands(dense: Path, work: Path, threads: int, job: Workload = JOB) -
     pruned, recovered, gguf = work / "pruned", work / "recovered", work / "recovered.q8_0.gguf"
     return {
         "prune": [*cli, "prune", "--model", str(dense), "--out", str(pruned), "--method", "wanda", "--sparsity", "0.5",
-                  "--offload", "disk", *DATA],
+                  "--offload", "disk", "--force", *DATA],
         "compensate": [*cli, "compensate", "--dense", str(dense), "--sparse", str(pruned), "--out", str(recovered),
                        "--offload", "disk", "--epochs", "1", "--samples", str(job.compensate_samples),
-                       "--seqlen", str(job.compensate_seqlen), "--json", str(work / "compensate.json")],
-        "export": [*cli, "export", "--model", str(recovered), "--target", "gguf", "--quant", "q8_0", "--out", str(gguf)],
+                       "--seqlen", str(job.compensate_seqlen), "--json", str(work / "compensate.json"), "--force"],
+        "export": [*cli, "export", "--model", str(recovered), "--target", "gguf", "--quant", "q8_0", "--out", str(gguf), "--force"],
         "fidelity": [*cli, "fidelity", "--dense", str(dense), "--candidate", f"pruned={pruned}",
                      "--candidate", f"laco={recovered}", "--candidate", f"gguf-q8_0={gguf}", "--eval", "builtin",
                      "--eval-samples", str(JOB.eval_windows), "--seqlen", str(JOB.seqlen), "--threads", str(threads),
