@@ -1,9 +1,10 @@
-"""Checks of a Hugging Face model folder from its files alone, before anything loads it.
+"""Checks of a model source from its files alone, before anything loads it (models.check_source).
 
-Two things a folder can do to a user that loading must never do unasked: run the model's own Python
-code (`auto_map` in config.json or tokenizer_config.json: transformers would import the folder's
-*.py files, after an interactive prompt when it is not told either way), and fail minutes into a
-run on a broken weights file. Both are found here in milliseconds.
+What loading must never do unasked: run the model's own Python code (`auto_map` in config.json or
+tokenizer_config.json: transformers would import the folder's *.py files, after an interactive
+prompt when it is not told either way), or fail minutes into a run on a broken file (truncated
+safetensors or GGUF, tensors whose shapes disagree with config.json, samples longer than the
+model's context). Each is found here in milliseconds and reported in one line.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ def pickle_refusal(path: Path, allow_pickle: bool | None) -> ModelError:
                           "model with safetensors first (transformers: save_pretrained(DIR, safe_serialization=True))")
     return ModelError(f"{path} holds only pickled weights (*.bin), which can run arbitrary code when loaded; "
                       "convert them to safetensors, or turn on model.allow_pickle if you trust the source")
+
+
+def check_gguf_readable(gguf: Path) -> None:
+    """Fail early, in one line, on a truncated or non-GGUF file."""
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{gguf} is not a GGUF file (bad magic {magic!r}); re-download or re-export it")
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(str(gguf), "r")
+    except Exception as e:  # the reader raises bare ValueError/IndexError/struct errors on corruption
+        raise ModelError(f"{gguf} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); re-download or re-export it") from e
 
 
 def check_safetensors(path: Path) -> None:

@@ -185,7 +185,7 @@ def check_source(spec: str, *, allow_pickle: bool | None = False, trust_remote_c
     if source.kind == HF_DIR:
         _check_hf_dir(source.path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     elif source.kind in (DEFAULT, GGUF_FILE) and not _is_converted(_gguf_cache_path(source.path)):
-        _check_gguf_readable(source.path)
+        modelcheck.check_gguf_readable(source.path)
     if seqlen is not None and source.path is not None:
         converted = _gguf_cache_path(source.path) if source.kind != HF_DIR else source.path
         context = modelcheck.context_length(converted) if _is_converted(converted) else \
@@ -267,7 +267,7 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     target = _gguf_cache_path(gguf)
     if _is_converted(target):
         return target
-    _check_gguf_readable(gguf)  # before the "converting" line: a corrupt file is one error, not a false start
+    modelcheck.check_gguf_readable(gguf)  # before the "converting" line: a corrupt file is one error, not a false start
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
@@ -329,20 +329,6 @@ def _gguf_config(gguf: Path):
     if hasattr(config, "query_pre_attn_scalar"):  # Gemma: llama.cpp scales queries by 1/sqrt(head_dim)
         config.query_pre_attn_scalar = config.head_dim
     return config
-
-
-def _check_gguf_readable(gguf: Path) -> None:
-    """Fail early, in one line, on a truncated or non-GGUF file."""
-    with open(gguf, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise ModelError(f"{gguf} is not a GGUF file (bad magic {magic!r}); re-download or re-export it")
-    try:
-        from gguf import GGUFReader
-
-        GGUFReader(str(gguf), "r")
-    except Exception as e:  # the reader raises bare ValueError/IndexError/struct errors on corruption
-        raise ModelError(f"{gguf} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); re-download or re-export it") from e
 
 
 def _hub_snapshot(repo_id: str) -> Path:
