@@ -66,16 +66,16 @@ def check_feasible(config, cfg: PruneConfig) -> None:
         if ffn_on and removal_count(ffn, cfg.structured, multiple) >= ffn:
             raise ConfigError(f"prune.structured {cfg.structured} would remove all {ffn} FFN channels "
                               f"of layer {i}; use a smaller ratio")
+        kv = w["num_key_value_heads"]
+        if attn_on and removal_count(kv, cfg.structured) >= kv:
+            raise ConfigError(f"prune.structured {cfg.structured} would remove all {kv} attention head groups of layer {i}; "
+                              f"use a ratio below {(kv - 0.5) / kv:.2f}, or prune.targets gate_proj,up_proj,down_proj for FFN only")
         if ffn_on and multiple > 1 and ffn >= multiple and int((ffn - int(ffn * cfg.structured + 0.5)) / multiple + 0.5) < 1:
             kept = ffn - removal_count(ffn, cfg.structured, multiple)  # one block: the fewest a layer keeps
             raise ConfigError(f"prune.structured {cfg.structured} would leave layer {i} less than one block of "
                               f"prune.structured_multiple {multiple} FFN channels, so it would keep {kept} of {ffn} "
                               f"({1 - kept / ffn:.0%} removed, not {cfg.structured:.0%}); use a ratio up to "
                               f"{(ffn - multiple) / ffn:.2f}, or prune.structured_multiple 1 for the exact ratio")
-        kv = w["num_key_value_heads"]
-        if attn_on and removal_count(kv, cfg.structured) >= kv:
-            raise ConfigError(f"prune.structured {cfg.structured} would remove all {kv} attention head groups of layer {i}; "
-                              f"use a ratio below {(kv - 0.5) / kv:.2f}, or prune.targets gate_proj,up_proj,down_proj for FFN only")
 
 
 def _gate_up(mlp) -> tuple[torch.Tensor, torch.Tensor]:
