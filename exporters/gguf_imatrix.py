@@ -24,6 +24,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from exporters.gguf_names import EXPORTER_KEY
+from laco_deploy import __version__
 from laco_deploy.errors import ExportError
 from laco_deploy.fsutil import atomic_path
 
@@ -50,6 +52,7 @@ def write(path: Path, sums: dict[str, np.ndarray], counts: dict[str, int], *, da
     with atomic_path(writer_path) as tmp:
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_type(gguf.GGUFType.IMATRIX)
+        writer.add_string(EXPORTER_KEY, f"laco-deploy {__version__}")  # a rerun may replace it (with --force)
         # the quantizer needs the key; the gguf package drops empty arrays, so an unnamed source gets a name
         writer.add_array(gguf.Keys.IMatrix.DATASETS, list(datasets) or ["unnamed"])
         writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, int(chunk_count))

@@ -191,6 +191,9 @@ def _check_existing(path: Path, option: str, *, force: bool, kind: str, made_her
                               f"not a build folder; choose another {option}: a new or empty folder, or an earlier build "
                               "folder (nothing was changed)")
         listed = _marked_files(path)
+        if listed is not None and not listed:  # mark_folder's: a build or checkpoint folder, not an output
+            raise OutputError(f"{option} {path} is a laco-deploy build or checkpoint folder, which this does not "
+                              f"replace; choose another {option} (nothing was changed)")
         foreign = [f for f in present if listed is None or (f not in listed and not (path / f).is_dir())]
         if foreign:
             raise OutputError(f"{option} {path} holds files that laco-deploy did not write ({_names(foreign)}); {keep}")

@@ -104,7 +104,9 @@ REMOTE = {  # every command that reads a model's config
     "fidelity": ["fidelity", "--dense", "REMOTE", "--candidate", "TINY", "--report", "OUT"],
     "export": ["export", "--model", "REMOTE", "--out", "OUT"],
     "build": ["build", "--model", "REMOTE", "--out", "OUT"],
+    "imatrix": ["imatrix", "--model", "REMOTE", "--out", "OUT", *FAST],
 }
+NO_CODE_OPTION = ("export", "imatrix")  # commands that never run a model's code, so suggest no opt-in
 
 
 @pytest.fixture()
@@ -136,7 +138,7 @@ def test_a_models_own_code_never_runs_unasked(cli, bad, answer_yes, command):
     code, _, err = _run(cli, bad, REMOTE[command])
     assert code == 2, err
     assert "ships its own Python code (config.json auto_map: AutoConfig, AutoModelForCausalLM)" in err, err
-    assert ("--trust-remote-code" in err) == (command != "export"), err  # suggested where the command has it
+    assert ("--trust-remote-code" in err) == (command not in NO_CODE_OPTION), err  # suggested where the command has it
     assert not bad["RAN"].exists(), "the model's module was imported"
     assert not answer_yes(), "a prompt read stdin"
 

@@ -34,6 +34,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(importlib.import_module("laco_deploy.compensate"), "run", _never("compensation"))
     monkeypatch.setattr(importlib.import_module("laco_deploy.pipeline"), "build", _never("the build"))
     monkeypatch.setattr(importlib.import_module("laco_deploy.targets").Target, "export", _never("the export"))
+    monkeypatch.setattr(importlib.import_module("laco_deploy.imatrix"), "compute", _never("the importance matrix"))
 
 
 def _args(command: str, tiny: Path, out: Path) -> list:
@@ -43,6 +44,7 @@ def _args(command: str, tiny: Path, out: Path) -> list:
         "export-gguf": ["export", "--model", tiny, "--target", "gguf", "--quant", "f32", "--out", out],
         "export-onnx": ["export", "--model", tiny, "--target", "onnx", "--out", out],
         "build": ["build", "--model", tiny, "--out", out, "--samples", "4", "--seqlen", "16", "--calib", "builtin"],
+        "imatrix": ["imatrix", "--model", tiny, "--out", out, *FAST],
     }[command]
 
 
@@ -63,7 +65,7 @@ class Sentinels:
 
 def _earlier_output(out: Path, command: str) -> None:
     """What an earlier run of `command` left at `out` (marker and all)."""
-    if command == "export-gguf":
+    if command in GGUF_FILES:
         import gguf
 
         writer = gguf.GGUFWriter(str(out), "llama")
@@ -77,7 +79,8 @@ def _earlier_output(out: Path, command: str) -> None:
     write_marker(out)
 
 
-COMMANDS = ["prune", "compensate", "export-gguf", "export-onnx", "build"]
+COMMANDS = ["prune", "compensate", "export-gguf", "export-onnx", "build", "imatrix"]
+GGUF_FILES = ("export-gguf", "imatrix")  # commands whose --out is one GGUF file
 # situation -> (what is at --out before, words of the one error line)
 REFUSED = {
     "an existing user file": ("file", ("existing file",)),
@@ -93,7 +96,7 @@ def test_refused_before_any_work_and_nothing_is_touched(cli, tiny_llama_dir, tmp
     root = tmp_path / "work"
     root.mkdir()
     monkeypatch.chdir(root)
-    out = root / ("out.gguf" if command == "export-gguf" else "out")
+    out = root / ("out.gguf" if command in GGUF_FILES else "out")
     if what == "file":
         out.write_text(PRECIOUS)
     sentinels = Sentinels(root, out, inside=what == "folder")
@@ -113,9 +116,9 @@ def test_refused_before_any_work_and_nothing_is_touched(cli, tiny_llama_dir, tmp
     assert sorted(p.relative_to(root) for p in root.rglob("*")) == before  # nothing made, moved or removed
 
 
-@pytest.mark.parametrize("command", ["prune", "compensate", "export-gguf", "export-onnx"])
+@pytest.mark.parametrize("command", ["prune", "compensate", "export-gguf", "export-onnx", "imatrix"])
 def test_an_earlier_output_needs_force(cli, tiny_llama_dir, tmp_path, monkeypatch, no_work, command):
-    out = tmp_path / ("out.gguf" if command == "export-gguf" else "out")
+    out = tmp_path / ("out.gguf" if command in GGUF_FILES else "out")
     _earlier_output(out, command)
     sentinels = Sentinels(tmp_path, out, inside=False)
     code, _, err = cli(*_args(command, tiny_llama_dir, out))
@@ -162,10 +165,10 @@ def test_a_build_reuses_its_own_folder_and_refuses_others(cli, tiny_llama_dir, t
     assert code == 2 and "did not write (manifest.json) and is not a build folder" in err, err
 
 
-@pytest.mark.parametrize("command", ["prune", "compensate", "export-gguf"])
+@pytest.mark.parametrize("command", ["prune", "compensate", "export-gguf", "imatrix"])
 def test_real_runs_leave_every_sentinel_and_a_rerun_needs_force(cli, tiny_llama_dir, tmp_path, command):
     """Unpatched commands: the output appears beside untouched sentinels; a rerun is refused, --force replaces it."""
-    out = tmp_path / ("out.gguf" if command == "export-gguf" else "out")
+    out = tmp_path / ("out.gguf" if command in GGUF_FILES else "out")
     sentinels = Sentinels(tmp_path, out, inside=False)
     code, _, err = cli(*_args(command, tiny_llama_dir, out))
     assert code == 0, err
