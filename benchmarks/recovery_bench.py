@@ -363,7 +363,7 @@ def main() -> None:
     ap.add_argument("--prune-samples", type=int, default=64, help="Wanda calibration samples")
     ap.add_argument("--prune-seqlen", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=CompensateConfig.epochs)
-    ap.add_argument("--batch-size", type=int, default=CompensateConfig.batch_size)
+    ap.add_argument("--batch-size", type=int, default=CompensateConfig.cpu_batch_size)
     ap.add_argument("--eval-windows", type=int, default=16, help="evaluation windows per domain")
     ap.add_argument("--eval-seqlen", type=int, default=256)
     ap.add_argument("--patterns", default="unstructured,2:4")

@@ -162,7 +162,17 @@ class CompensateConfig:
     # at 32-128 samples 1 pass over 4x more samples had won (generalization_sweep, RESULTS.md)
     epochs: int = 2
     lr: float = 3e-3
-    batch_size: int = 2
+    # samples per training step; None: by device (compensate/steps.py): cpu_batch_size on a CPU, on a
+    # GPU about gpu_tokens_per_step tokens within memory_share of its free memory, with the learning
+    # rates scaled by sqrt(batch / cpu_batch_size)
+    batch_size: int | None = None
+    cpu_batch_size: int = 2
+    gpu_tokens_per_step: int = 16384  # H200: 2 x 256 tokens took 8.5 ms a step, overhead-bound (issue 27)
+    memory_share: float = 0.5  # of the GPU's free memory, for the step and the activation caches
+    final_kl_batch_size: int | None = None  # the final KL pass's step; None: by device (as batch_size)
+    # on a GPU, the walk's activation caches stay on it when they fit in memory_share of its free memory
+    # (no batch crosses the bus); off: host RAM, the memory-light layout the paper's peak memory assumes
+    device_caches: bool = True
     grad_accum: int = 1
     loss: str = "nmse"  # mse | nmse | cos_mse | subblock
     train_norms: bool = False
@@ -207,8 +217,14 @@ class CompensateConfig:
             errs.append(f"compensate.method {self.method!r} is not one of laco, lora, none")
         if self.loss not in LOSSES:
             errs.append(f"compensate.loss {self.loss!r} is not one of {', '.join(LOSSES)}")
-        if self.epochs < (0 if self.init == "lsq" else 1) or self.batch_size < 1 or self.grad_accum < 1:
-            errs.append("compensate.epochs (0 allowed with compensate.init lsq), compensate.batch_size and compensate.grad_accum must be at least 1")
+        if (self.epochs < (0 if self.init == "lsq" else 1) or (self.batch_size is not None and self.batch_size < 1)
+                or self.grad_accum < 1 or self.cpu_batch_size < 1 or self.gpu_tokens_per_step < 1):
+            errs.append("compensate.epochs (0 allowed with compensate.init lsq), compensate.batch_size, cpu_batch_size, "
+                        "gpu_tokens_per_step and grad_accum must be at least 1")
+        if self.final_kl_batch_size is not None and self.final_kl_batch_size < 1:
+            errs.append(f"compensate.final_kl_batch_size {self.final_kl_batch_size} must be at least 1 (or unset)")
+        if not 0.0 < self.memory_share <= 1.0:
+            errs.append(f"compensate.memory_share {self.memory_share} must be in (0, 1]")
         if self.init not in INITS:
             errs.append(f"compensate.init {self.init!r} is not one of {', '.join(INITS)}")
         if self.lsq_token_weight not in ("none", "nmse"):

@@ -92,22 +92,29 @@ class Workload:
     parity_tokens: int = 128  # export: the llama.cpp vs PyTorch check (bench.parity.PARITY_TOKENS)
     compensate_dense_twin: bool = False  # the LaCo step runs the dense twin (subblock loss, lsq init)
     compensate_final_kl: bool = False  # the whole-model KL pass after the walk (compensate/distill.py)
+    compensate_final_kl_batch: int | None = None  # that pass's samples per step (None: compensate_batch)
 
     @classmethod
-    def of_build(cls, cfg, device) -> Workload:
-        """The workload of `laco-deploy build` with BuildConfig `cfg` on `device`."""
+    def of_build(cls, cfg, device, w: dict[str, int] | None = None) -> Workload:
+        """The workload of `laco-deploy build` with BuildConfig `cfg` on `device`; `w` (weight_bytes
+        of the model) lets a GPU's step size be checked against its free memory (compensate/steps.py)."""
+        from laco_deploy import devices
+        from laco_deploy.compensate import steps
         from laco_deploy.compensate.budget import resolve_budget
         from laco_deploy.compensate.laco import needs_dense_layer
         from laco_deploy.data import eval_specs
 
         budget = resolve_budget(cfg.compensate, cfg.data, device)
+        step = steps.plan(cfg.compensate, budget.seqlen, budget.samples, w, devices.traits(device),
+                          needs_dense_layer(cfg.compensate))
         return cls(cfg.data.samples, cfg.data.seqlen, cfg.prune.batch_size, cfg.prune.offload,
                    budget.samples + budget.kl_samples,
-                   budget.seqlen, cfg.compensate.batch_size, cfg.compensate.offload,
+                   budget.seqlen, step.batch_size, cfg.compensate.offload,
                    cfg.data.eval_samples * len(eval_specs(cfg.data.eval)),
                    1 + (cfg.compensate.method != "none"), 1,
                    compensate_dense_twin=needs_dense_layer(cfg.compensate),
-                   compensate_final_kl=cfg.compensate.method == "laco" and cfg.compensate.final_kl_epochs > 0)
+                   compensate_final_kl=cfg.compensate.method == "laco" and cfg.compensate.final_kl_epochs > 0,
+                   compensate_final_kl_batch=step.final_kl_batch_size)
 
 
 @dataclass(frozen=True)
@@ -162,21 +169,32 @@ def final_kl_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
             "logits": 12 * tokens * w["vocab"] * FP32, "batch": w["num_layers"] * _layer_batch(w, tokens)}
 
 
+def layer_step_terms(w: dict[str, int], tokens: int, dense_twin: bool) -> dict[str, int]:
+    """The LaCo step on the device besides the layer itself: grads + AdamW moments + the mask,
+    autograd activations of `tokens` tokens, and the dense twin where the step runs it (else the
+    streamed twin leaves once its outputs are computed)."""
+    return {"dense twin": w["layer_max"] if dense_twin else 0,
+            "grads+adam+mask": 3 * w["layer_max"] + w["layer_max"] // 4,
+            "adam step": 2 * w["linear_max"],  # AdamW's per-tensor temporaries (sqrt, then the denominator)
+            "batch": 2 * _layer_batch(w, tokens)}
+
+
+def activation_cache_bytes(w: dict[str, int], samples: int, seqlen: int) -> int:
+    """One activation cache of the walk: [samples, seqlen, hidden] fp32 (the walk keeps four)."""
+    return samples * seqlen * w["hidden"] * FP32
+
+
 def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
-    cache = job.compensate_samples * job.compensate_seqlen * w["hidden"] * FP32
-    # the layer being trained: grads + AdamW moments + the mask, autograd activations, and the dense
-    # twin where the step runs it (else the streamed twin leaves once its outputs are computed)
-    train = {"dense twin": w["layer_max"] if job.compensate_dense_twin else 0,
-             "grads+adam+mask": 3 * w["layer_max"] + w["layer_max"] // 4,
-             "adam step": 2 * w["linear_max"],  # AdamW's per-tensor temporaries (sqrt, then the denominator)
-             "batch": 2 * _layer_batch(w, job.compensate_batch * job.compensate_seqlen)}
+    cache = activation_cache_bytes(w, job.compensate_samples, job.compensate_seqlen)
+    train = layer_step_terms(w, job.compensate_batch * job.compensate_seqlen, job.compensate_dense_twin)
     process = {"process": PROCESS_BYTES["compensate"]}
     device = {"layer": w["layer_max"], **train}
     if job.compensate_offload != "disk":
         phases = {"layers": {**process, "pruned model": w["total"], "activations": 4 * cache, **train}}
         if job.compensate_final_kl:  # the walk's last dense cache is the teacher
             phases["final KL"] = {**process, "pruned model": w["total"], "teacher": cache,
-                                  **final_kl_terms(w, job.compensate_batch * job.compensate_seqlen)}
+                                  **final_kl_terms(w, (job.compensate_final_kl_batch or job.compensate_batch)
+                                                   * job.compensate_seqlen)}
         return _stage("compensate", phases, device)
     return _stage("compensate", {"embed": {**process, "embedding": w["embed"], "activations": cache},
                                  "layers": {**process, "layer": w["layer_max"], "activations": 4 * cache, **train},

@@ -57,6 +57,16 @@ def llama_config(vocab: int = VOCAB, tied: bool = True, layers: int = 2, hidden:
                        tie_word_embeddings=tied, rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=0, eos_token_id=0)
 
 
+def mistral_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
+    """Mistral: Llama's layer, untied head, no sliding window (as Mistral-7B-v0.3)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=512,
+                         sliding_window=None, tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         bos_token_id=0, eos_token_id=0)
+
+
 def qwen2_config(vocab: int = VOCAB, layers: int = 2, hidden: int = 64):
     from transformers import Qwen2Config
 

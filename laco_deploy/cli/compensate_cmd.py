@@ -9,7 +9,6 @@ import typer
 
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import (
-    BatchSizeOpt,
     CalibOpt,
     DeviceOpt,
     OffloadOpt,
@@ -58,7 +57,11 @@ def compensate_command(
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the calibration samples per layer (LoRA: over the model).")] = _C.epochs,
     lr: Annotated[float, typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule).")] = _C.lr,
     lr_last_factor: Annotated[float, typer.Option("--lr-last-factor", help="LaCo: the last layer's LR is lr * this (geometric decay over depth).")] = _C.lr_last_factor,
-    batch_size: BatchSizeOpt = _C.batch_size,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help=(
+        f"Samples per training step (memory grows with it). Default: by device: {_C.cpu_batch_size} on a CPU; on a GPU "
+        f"about {_C.gpu_tokens_per_step} tokens per step within {_C.memory_share:.0%} of its free memory, with the "
+        "learning rates scaled by sqrt(batch / 2)."))] = _C.batch_size,
+    device_caches: Annotated[bool, typer.Option("--device-caches/--no-device-caches", help="On a GPU, keep LaCo's activation caches on it when they fit (faster); off: in RAM, the least GPU memory.")] = _C.device_caches,
     grad_accum: Annotated[int, typer.Option("--grad-accum", help="Steps of gradient accumulation per update.")] = _C.grad_accum,
     train_norms: Annotated[bool, typer.Option("--train-norms/--no-train-norms", help="LaCo: also train the RMSNorm scales.")] = _C.train_norms,
     trainable: Annotated[str, typer.Option("--trainable", help="LaCo: what is trained. weights: the surviving weights (best measured); channel: one scale per output channel; lowrank: a rank --correction-rank update under the mask. The corrections are merged back, so the model has no extra modules; they need less gradient and optimizer memory.")] = _C.trainable,
@@ -93,7 +96,7 @@ def compensate_command(
     mcfg = model_config(dense, device, False, trust_remote_code)
     dcfg = DataConfig(calib=calib, samples=samples if samples is not None else _D.samples, seqlen=seqlen, seed=seed)
     ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
-                            batch_size=batch_size, grad_accum=grad_accum, train_norms=train_norms,
+                            batch_size=batch_size, device_caches=device_caches, grad_accum=grad_accum, train_norms=train_norms,
                             trainable=trainable, correction_rank=correction_rank,
                             anchor_decay=anchor_decay, dense_input_mix=dense_input_mix, quant_aware=quant_aware, precision=precision,
                             final_kl_epochs=final_kl_epochs, final_kl_lr=final_kl_lr,

@@ -53,7 +53,7 @@ def plan_command(
     check(cfg.validate())
     check_source(model, allow_pickle=True, trust_remote_code=trust_remote_code, seqlen=seqlen)  # reads no weights: pickles are fine
     sizes = model_bytes(local_model_dir(model), trust_remote_code)
-    job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"))
+    job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"), sizes)
     stages = estimate_build(sizes, job)
     if as_json:
         typer.echo(json.dumps({"model": model, "weights_bytes": sizes, "workload": job.__dict__,

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from laco_deploy import devices
 from laco_deploy.config import CompensateConfig, DataConfig
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def resolve_budget(comp: CompensateConfig, data: DataConfig, device: torch.devic
     if comp.samples is not None:
         b = Budget(comp.samples, data.seqlen, comp.epochs, "explicit",
                    f"calibration budget {comp.samples} x {data.seqlen} tokens, {comp.epochs} epochs (explicit)")
-    elif device.type == "cuda":
+    elif devices.traits(device).accelerator:
         b = Budget(comp.gpu_samples, data.seqlen, comp.epochs, "paper (CUDA)",
                    f"calibration budget {comp.gpu_samples} x {data.seqlen} tokens, {comp.epochs} epochs "
                    "(the paper's 2,048 unlabeled samples, on CUDA)")

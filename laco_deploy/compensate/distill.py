@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from laco_deploy import distributed, families, memplan
+from laco_deploy import devices, distributed, families, memplan
 from laco_deploy.compensate.streamed import RAM_SHARE
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw
@@ -102,15 +102,21 @@ class StepInBackward:
         self.opts.clear()
 
 
+def pass_batch(cfg: CompensateConfig) -> int:
+    """Samples per step of the pass (compensate/steps.py sizes it by device; unset: the walk's)."""
+    return cfg.final_kl_batch_size if cfg.final_kl_batch_size is not None else cfg.batch_size
+
+
 def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device,
                 streamed: bool) -> str | None:
     """Why the pass cannot run here (None: it can)."""
     if streamed:
         return ("the pruned model is streamed from disk (compensate.offload disk, or too large for RAM) and the pass "
                 "trains it whole")
-    need = sum(memplan.final_kl_terms(memplan.weight_bytes(model), cfg.batch_size * seqlen).values())
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0] - sum(p.numel() * p.element_size() for p in model.parameters())
+    need = sum(memplan.final_kl_terms(memplan.weight_bytes(model), pass_batch(cfg) * seqlen).values())
+    free = devices.traits(device).free_bytes
+    if free is not None:  # the model moves to the device for the pass
+        free -= sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         free = memplan.available_bytes()
     if free is not None and need > RAM_SHARE * free:  # the share the pruned model may take in RAM
@@ -144,9 +150,9 @@ class _Pass:
 
     def loss(self, rows: torch.Tensor) -> torch.Tensor:
         """Mean token KL of this rank's cache rows `rows` (a non-empty tensor of local indices)."""
-        ids = self.ids[rows].to(self.device)
+        ids = devices.send(self.ids[rows], self.device)
         with torch.no_grad(), autocast_ctx(self.device, self.cfg.precision):
-            teacher = _logits(self.model, self.teacher.data[rows].to(self.device), self.softcap)
+            teacher = _logits(self.model, self.teacher.rows(rows, self.device), self.softcap)
         with autocast_ctx(self.device, self.cfg.precision):
             student = self.model(input_ids=ids, use_cache=False).logits
         return _kl(student, teacher)
@@ -155,7 +161,8 @@ class _Pass:
     def evaluate(self, idx: torch.Tensor) -> float:
         """Mean token KL over the global samples `idx` (summed over ranks)."""
         rows = self.rows(idx)
-        total = sum(float(self.loss(chunk)) * len(chunk) for chunk in rows.split(self.cfg.batch_size)) if len(rows) else 0.0
+        # summed on the device, read once
+        total = float(sum(self.loss(chunk).double() * len(chunk) for chunk in rows.split(pass_batch(self.cfg)))) if len(rows) else 0.0
         return distributed.all_reduce_floats([total])[0] / max(1, len(idx))
 
 
@@ -181,13 +188,13 @@ def final_kl(model, input_ids: torch.Tensor, teacher: ActivationCache, cfg: Comp
         p.requires_grad_(True)
     stepper = StepInBackward(pairs, device)
     gen = torch.Generator().manual_seed(seed)
-    total = math.ceil(len(train_idx) / cfg.batch_size) * cfg.final_kl_epochs
+    total = math.ceil(len(train_idx) / pass_batch(cfg)) * cfg.final_kl_epochs
     warmup, step = int(total * cfg.warmup_fraction), 0
     bar = progress_bar(range(total), desc="final KL pass", unit="step")
     try:
         for _epoch in range(cfg.final_kl_epochs):
             order = train_idx[torch.randperm(len(train_idx), generator=gen)]
-            for chunk in order.split(cfg.batch_size):
+            for chunk in order.split(pass_batch(cfg)):
                 stepper.lr = cfg.final_kl_lr * cosine_lr(step, total, warmup)
                 rows = work.rows(chunk)
                 if len(rows):

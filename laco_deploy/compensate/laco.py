@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from laco_deploy import distributed
-from laco_deploy.compensate import distill, lsq
+from laco_deploy import devices, distributed, memplan
+from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, amp_dtype, layer_forward, split_indices
@@ -176,6 +176,10 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     shard = distributed.shard(input_ids.shape[0])
     inputs = capture_inputs(sparse_model, layer_loader, input_ids[shard.start:shard.stop], device, cfg.offload,
                             checkpoint_dir)
+    if steps.fits_on_device(memplan.weight_bytes(sparse_model), cfg, len(inputs.hidden), input_ids.shape[1],
+                            devices.traits(device), needs_dense_layer(cfg)):
+        inputs.hidden.place(device)  # the walk's caches are made like it: no batch crosses the bus
+        log.info("activation caches on %s (%.0f MiB each)", device, inputs.hidden.data.nbytes / 2**20)
     split = split_indices(walk_samples, cfg.val_fraction, seed)
     scratch = distributed.rank_dir(checkpoint_dir / "snapshot") if cfg.offload == "disk" else None
     if scratch is not None:

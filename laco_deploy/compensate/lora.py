@@ -14,9 +14,8 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from laco_deploy import families
+from laco_deploy import devices, families, flops
 from laco_deploy.compensate.masks import masked_merge
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
@@ -70,11 +69,11 @@ def _lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _evaluate(model, ids: torch.Tensor, batch_size: int, device: torch.device, precision: str) -> float:
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)  # summed on the device, read once
     for chunk in ids.split(batch_size):
         with autocast_ctx(device, precision):
-            total += float(_lm_loss(model, chunk.to(device))) * len(chunk)
-    return total / max(1, len(ids))
+            total += _lm_loss(model, devices.send(chunk, device)).double() * len(chunk)
+    return float(total) / max(1, len(ids))
 
 
 class _Steps:
@@ -95,17 +94,20 @@ class _Steps:
                 loss = _lm_loss(self.model, ids)
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
             return
-        with FlopCounterMode(display=False) as flops:
+        def first() -> int:
             with count_saved(self.resident) as meter, autocast_ctx(self.device, self.cfg.precision):
                 loss = _lm_loss(self.model, ids)
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
-        self.sample_flops = flops.get_total_flops() / len(ids)
-        self.working_set = working_set(self.resident, self.params, meter.bytes, [ids])
+            return meter.bytes
+
+        saved, counted = flops.counted(first, self.params)
+        self.sample_flops = counted / len(ids) if counted is not None else None
+        self.working_set = working_set(self.resident, self.params, saved, [ids])
 
     def epoch(self, input_ids: torch.Tensor, order: torch.Tensor) -> None:
         chunks = list(order.split(self.cfg.batch_size))
         for k, chunk in enumerate(chunks):
-            self._backward(input_ids[chunk].to(self.device))
+            self._backward(devices.send(input_ids[chunk], self.device))
             self.samples_seen += len(chunk)
             if (k + 1) % self.cfg.grad_accum == 0 or k == len(chunks) - 1:
                 for group in self.opt.param_groups:
@@ -128,9 +130,12 @@ def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, devic
     before = _evaluate(peft_model, watch, cfg.batch_size, device, cfg.precision)
     best, best_state, best_epoch, bad, history = before, [p.detach().cpu().clone() for p in params], 0, 0, []
     gen = torch.Generator().manual_seed(seed)
-    t0 = time.perf_counter()
+    t0, step_s = time.perf_counter(), 0.0
     for epoch in range(1, cfg.epochs + 1):
+        t_steps = time.perf_counter()
         steps.epoch(input_ids, train_idx[torch.randperm(len(train_idx), generator=gen)])
+        devices.synchronize(device)  # once an epoch: the steps' own time, for the throughput
+        step_s += time.perf_counter() - t_steps
         val = _evaluate(peft_model, watch, cfg.batch_size, device, cfg.precision)
         history.append(round(val, 5))
         if val < best:
@@ -147,7 +152,9 @@ def train_lora(peft_model, input_ids: torch.Tensor, cfg: CompensateConfig, devic
             "best_epoch": best_epoch, "steps": steps.step, "val_history": history, "lr": cfg.lora_lr,
             "measured_on": "validation" if len(val_idx) else "training",
             "trainable_params": sum(p.numel() for p in params), "train_s": round(time.perf_counter() - t0, 3),
-            "train_gflop": round(steps.sample_flops * steps.samples_seen / 1e9, 3),
+            "step_s": round(step_s, 3),
+            "train_gflop": (round(steps.sample_flops * steps.samples_seen / 1e9, 3) if steps.sample_flops is not None
+                            else "not counted"),
             "device_working_set": steps.working_set or {}}
 
 

@@ -38,15 +38,17 @@ class MaskFactors:
 
     def zero_grads(self) -> None:
         """Zero the gradient of masked-out weights so optimizer moments never see them."""
-        for weight, keep in self.pairs:
-            if weight.grad is not None:
-                weight.grad.mul_(keep)
+        pairs = [(w.grad, keep) for w, keep in self.pairs if w.grad is not None]
+        if pairs:  # one kernel for all matrices on a GPU, where a step is launch-bound
+            torch._foreach_mul_([g for g, _ in pairs], [k for _, k in pairs])
 
     @torch.no_grad()
     def apply(self) -> None:
         """Write +0.0 into every masked-out weight: w * 0 may be -0.0, and -0.0 + 0.0 is +0.0."""
-        for weight, keep in self.pairs:
-            weight.mul_(keep).add_(0.0)
+        weights = [w for w, _ in self.pairs]
+        if weights:
+            torch._foreach_mul_(weights, [k for _, k in self.pairs])
+            torch._foreach_add_(weights, 0.0)
 
 
 def masked_merge(weight: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -11,6 +11,7 @@ from laco_deploy.config import CompensateConfig, to_dict
 from laco_deploy.throughput import throughput_record
 
 MIB = 2**20
+NOT_COUNTED = "not counted"  # a FLOP count the counter could not make (laco_deploy/flops.py)
 
 
 def config_summary(info: dict[str, Any], cfg: CompensateConfig, budget, sparsity: float) -> dict[str, Any]:
@@ -56,20 +57,23 @@ def memory_summary(records: list[dict], lora_record: dict | None, meter, device)
 
 
 def training_throughput(records: list[dict], lora_record: dict | None, reference_gflops: float) -> dict | None:
-    """Achieved GFLOP/s of the training steps (LaCo: summed over layers) against the run's matmul."""
+    """Achieved GFLOP/s of the training steps (LaCo: summed over layers) against the run's matmul;
+    {"gflop": "not counted"} when the FLOP counter failed on any of them (laco_deploy/flops.py)."""
     rows = [lora_record] if lora_record else records
+    if any(isinstance(r.get("train_gflop"), str) for r in rows):
+        return {"gflop": NOT_COUNTED, "matmul_gflops": round(reference_gflops, 2)}
     gflop = sum(r.get("train_gflop", 0.0) for r in rows)
-    seconds = sum(r.get("train_s", 0.0) for r in rows)
+    seconds = sum(r.get("step_s", r.get("train_s", 0.0)) for r in rows)  # the steps alone where timed
     return throughput_record(gflop, seconds, reference_gflops) if gflop > 0 else None
 
 
 def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, before: dict, after: dict,
                   records: list[dict], lora_record: dict | None, meter, wall: float, device,
                   reference_gflops: float = 0.0, data: dict | None = None,
-                  final_kl: dict | None = None) -> ModelDirResult:
+                  final_kl: dict | None = None, steps_note: str = "") -> ModelDirResult:
     mem = memory_summary(records, lora_record, meter, device)
     speed = training_throughput(records, lora_record, reference_gflops)
-    notes = [budget.note]
+    notes = [budget.note] + ([steps_note] if steps_note else [])
     same = after["zeros"] >= before["zeros"] and not [k for k in after["matrices"]
                                                      if after["matrices"][k]["zeros"] < before["matrices"][k]["zeros"]]
     notes.append(f"sparsity {before['sparsity']:.6f} before, {after['sparsity']:.6f} after"
@@ -81,7 +85,9 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         nb = sum(r["nmse_before"] for r in records) / len(records)
         na = sum(r["nmse_after"] for r in records) / len(records)
         notes.append(f"mean layer nmse {nb:.4g} -> {na:.4g} ({records[0]['measured_on']} samples)")
-    if speed is not None:
+    if speed is not None and speed["gflop"] == NOT_COUNTED:
+        notes.append("training throughput not counted: the FLOP counter failed (the debug log says why)")
+    elif speed is not None:
         notes.append(f"training throughput {speed['achieved_gflops']:.1f} GFLOP/s ({speed['gflop']:.0f} GFLOP in "
                      f"{speed['seconds']:.0f} s of training steps), {speed['share_of_matmul']:.0%} of a {cfg.precision} matmul "
                      f"measured in this run ({speed['matmul_gflops']:.0f} GFLOP/s)")

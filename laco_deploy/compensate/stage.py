@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy import distributed
+from laco_deploy import devices, distributed, memplan
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
-from laco_deploy.compensate import laco, lora, streamed
+from laco_deploy.compensate import laco, lora, steps, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
 from laco_deploy.compensate.masks import dense_numel
 from laco_deploy.compensate.train import amp_dtype, resolve_precision
@@ -117,6 +117,10 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     device = device if device is not None else resolve_device(model_cfg.device)
     budget = resolve_budget(comp_cfg, data_cfg, device)
     comp_cfg = dataclasses.replace(comp_cfg, precision=resolve_precision(comp_cfg.precision, device))
+    step_plan = steps.plan(comp_cfg, budget.seqlen, budget.samples, memplan.model_bytes(sparse_dir),
+                           devices.traits(device), laco.needs_dense_layer(comp_cfg))
+    comp_cfg = step_plan.apply(comp_cfg)
+    log.info("training steps: %s", step_plan.reason)
     log.info("training computes in %s%s", comp_cfg.precision,
              "" if comp_cfg.precision == "fp32" else " (autocast; weights, optimizer state and activations stay fp32)")
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
@@ -163,4 +167,5 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
     return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,
-                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed}, final_kl=final_kl)
+                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed}, final_kl=final_kl,
+                         steps_note=f"training steps: {step_plan.reason}")

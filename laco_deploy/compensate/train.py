@@ -19,7 +19,6 @@ one-process gradient up to the order of the float sums.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -28,9 +27,8 @@ from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
-from torch.utils.flop_counter import FlopCounterMode
 
-from laco_deploy import distributed, families
+from laco_deploy import devices, distributed, families, flops
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.corrections import Corrections
 from laco_deploy.compensate.masks import MaskFactors
@@ -62,24 +60,15 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor,
     return perm[n_val:].sort().values, perm[:n_val].sort().values
 
 
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16; Linux flags).
-    Elsewhere bf16 is emulated and slower than fp32, so auto precision stays fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace").split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """compensate.precision made concrete: fp32, bf16 or fp16 (see config.CompensateConfig)."""
+    """compensate.precision made concrete: fp32, bf16 or fp16 (see config.CompensateConfig). auto:
+    bf16 where it is native; on a GPU without it fp16 (with loss scaling), on a CPU fp32."""
     if precision != "auto":
         return precision
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+    t = devices.traits(device)
+    if t.bf16:
+        return "bf16"
+    return "fp16" if t.accelerator else "fp32"
 
 
 def amp_dtype(device: torch.device, precision: str) -> torch.dtype | None:
@@ -165,7 +154,8 @@ class LayerTrainer:
             self.resident = resident + self.corrections.params
         self.mask_factors = MaskFactors(layer, masks)
         self.working_set: dict[str, int] | None = None
-        self.sample_flops = 0.0  # training FLOPs per sample (forward + backward), counted on the first step
+        # training FLOPs per sample (forward + backward), counted on the first step; None: not counted
+        self.sample_flops: float | None = 0.0
         self.samples_seen = 0
         self.anchor: list[torch.Tensor] | None = None  # starting weights, for cfg.anchor_decay
         self.energy = self._target_energy()  # [samples] fp64, cos_mse only
@@ -201,12 +191,11 @@ class LayerTrainer:
         """Inputs, targets (and mid targets) of the cache rows `idx`; rows where `mix` is True take
         the dense-path input instead of the sparse one (both map to the same dense target)."""
         d, dev = self.data, self.device
-        x = d.inputs.data[idx]
-        if mix is not None and bool(mix.any()):
-            x = torch.where(mix[:, None, None], d.dense_inputs.data[idx], x)
-        x = x.to(dev, non_blocking=True)
-        t = d.targets.data[idx].to(dev, non_blocking=True)
-        m = d.mid_targets.data[idx].to(dev, non_blocking=True) if self.subblock else None
+        x = d.inputs.rows(idx, dev)
+        if mix is not None and bool(mix.any()):  # mix is drawn on the host: no device sync
+            x = torch.where(devices.send(mix, dev)[:, None, None], d.dense_inputs.rows(idx, dev), x)
+        t = d.targets.rows(idx, dev)
+        m = d.mid_targets.rows(idx, dev) if self.subblock else None
         return x, t, m
 
     def _objective(self, out, mid, t, m, scale: float | None) -> torch.Tensor:
@@ -227,6 +216,7 @@ class LayerTrainer:
         (each rank scores those it holds; the sums are added over ranks)."""
         sums = {"loss": 0.0, "nmse": 0.0, "mse": 0.0}
         rows, _ = self._local(idx)
+        parts: list[torch.Tensor] = []
         scale = self._scale(idx)  # cos_mse: one scale for all of idx, however it is split into chunks
         for chunk in rows.split(self.cfg.batch_size) if len(rows) else ():  # split() of nothing gives one empty chunk
             x, t, m = self._batch(chunk)
@@ -234,9 +224,9 @@ class LayerTrainer:
                 out, mid = layer_forward(self.layer, x, self.data.kwargs, self.subblock)
             loss = self._objective(out, mid, t, m, scale)
             w = len(chunk)
-            sums["loss"] += float(loss) * w
-            sums["nmse"] += float(losses.nmse(out, t)) * w
-            sums["mse"] += float(losses.mse(out, t)) * w
+            parts.append(torch.stack([loss, losses.nmse(out, t), losses.mse(out, t)]).double() * w)
+        if parts:  # one read from the device per evaluation, not three per batch
+            sums = dict(zip(sums, torch.stack(parts).sum(0).tolist()))
         if distributed.world() > 1:
             sums = dict(zip(sums, distributed.all_reduce_floats(list(sums.values()))))
         return {k: v / max(1, len(idx)) for k, v in sums.items()}
@@ -272,12 +262,15 @@ class LayerTrainer:
         if self.working_set is not None:
             scaler.scale(self._loss(*batch, scale) * share / self.cfg.grad_accum).backward()
             return
-        with FlopCounterMode(display=False) as flops:
+        def first() -> int:
             with count_saved(self.resident) as meter:
                 loss = self._loss(*batch, scale)
             scaler.scale(loss * share / self.cfg.grad_accum).backward()
-        self.sample_flops = flops.get_total_flops() / len(rows)
-        self.working_set = working_set(self.resident, self.params, meter.bytes, [b for b in batch if b is not None])
+            return meter.bytes
+
+        saved, counted = flops.counted(first, self.params)
+        self.sample_flops = counted / len(rows) if counted is not None else None
+        self.working_set = working_set(self.resident, self.params, saved, [b for b in batch if b is not None])
 
     @torch.no_grad()
     def _pull_to_anchor(self, lr: float) -> None:
@@ -329,10 +322,13 @@ class LayerTrainer:
         opt = make_adamw(self.params, self.lr, cfg.weight_decay, self.device)
         scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype(self.device, cfg.precision) is torch.float16)
         total = max(1, math.ceil(math.ceil(len(d.train_idx) / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
-        step, history, t0 = 0, [], time.perf_counter()
+        step, history, t0, step_s = 0, [], time.perf_counter(), 0.0
         for epoch in range(1, cfg.epochs + 1):
             order = d.train_idx[torch.randperm(len(d.train_idx), generator=gen)]
+            t_steps = time.perf_counter()
             step = self._epoch(order, opt, scaler, step, total, int(total * cfg.warmup_fraction), gen)
+            devices.synchronize(self.device)  # once an epoch: the steps' own time, for the throughput
+            step_s += time.perf_counter() - t_steps
             current = self.evaluate(watch)
             val = current["loss"]
             history.append(round(val, 6))
@@ -357,7 +353,8 @@ class LayerTrainer:
             "mse_before": before["mse"], "mse_after": after["mse"],
             "measured_on": "validation" if len(d.val_idx) else "training",
             "epochs_run": len(history), "best_epoch": best_epoch, "steps": step, "lr": self.lr,
-            "val_history": history, "train_s": round(train_s, 3),
-            "train_gflop": round(self.sample_flops * self.samples_seen / 1e9, 3),
+            "val_history": history, "train_s": round(train_s, 3), "step_s": round(step_s, 3),
+            "train_gflop": (round(self.sample_flops * self.samples_seen / 1e9, 3) if self.sample_flops is not None
+                            else "not counted"),
             "device_working_set": self.working_set or {},
         }

@@ -9,7 +9,7 @@ import torch
 from laco_deploy.compensate import losses
 from laco_deploy.compensate.budget import resolve_budget
 from laco_deploy.compensate.masks import MaskFactors, masked_merge, weight_mask
-from laco_deploy.compensate import train
+from laco_deploy import devices
 from laco_deploy.compensate.train import amp_dtype, cosine_lr, resolve_precision, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig, DataConfig
@@ -148,8 +148,12 @@ def test_precision_resolves_by_device_and_cpu(monkeypatch):
     cpu = torch.device("cpu")
     for explicit in ("fp32", "bf16", "fp16"):
         assert resolve_precision(explicit, cpu) == explicit
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: True)
     assert resolve_precision("auto", cpu) == "bf16" and amp_dtype(cpu, "auto") is torch.bfloat16
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: False)
     assert resolve_precision("auto", cpu) == "fp32" and amp_dtype(cpu, "auto") is None
+    # a GPU: bf16 where native, else fp16 (with loss scaling), never fp32
+    for bf16, want in ((True, "bf16"), (False, "fp16")):
+        monkeypatch.setattr(devices, "traits", lambda _d, b=bf16: devices.Traits(True, b, 2**34))
+        assert resolve_precision("auto", cpu) == want
     assert "compensate.precision 'fp8'" in " ".join(CompensateConfig(precision="fp8").validate())
