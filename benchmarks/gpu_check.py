@@ -59,13 +59,17 @@ def laco_detail(rec: dict) -> str:
             f"{comp.get('precision')} matmul ({speed['matmul_gflops'] / 1e3:.1f} TFLOP/s)"
             if isinstance(speed.get("gflop"), (int, float)) else f"FLOPs {speed.get('gflop', 'not recorded')}")
     return (f"batch {comp.get('batch_size')} (final pass {comp.get('final_kl_batch_size')}), lr {comp.get('lr', 0):.3g}; "
-            f"steps {speed.get('seconds', 0):.0f} s, {rate}; held-out KL {final.get('kl_before', float('nan')):.4g} "
+            f"LaCo {rec.get('wall_s', 0):.0f} s (steps {speed.get('seconds', 0):.0f} s), {rate}; held-out KL {final.get('kl_before', float('nan')):.4g} "
             f"after the walk -> {final.get('kl_after', float('nan')):.4g} after the final pass; peak {walk:.0f} MiB walk, "
             f"{fin if fin is None else round(fin)} MiB final pass ({rec.get('memory_kind')})")
 
 
 def unit_tests(t: Table, device: str, smoke: bool) -> None:
-    tests = ["tests/test_cuda.py", "tests/test_flops.py", "tests/compensate/test_steps.py"]
+    if importlib.util.find_spec("pytest") is None:
+        t.add("unit tests", None, 0, "pytest is not installed (benchmarks/gpu_carry.sh carries its wheels)")
+        return
+    tests = ["tests/test_cuda.py", "tests/test_flops.py", "tests/compensate/test_steps.py",
+             "tests/compensate/test_no_sync.py"]
     if not smoke:
         tests.append("tests/test_cuda_paths.py")
     code, tail, s = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests], min(170, t.left()))
@@ -111,7 +115,8 @@ def default_model(t: Table, a, b: dict, w: Path) -> dict:
     return {"laco": laco, "lora": lora}
 
 
-def memory_rows(t: Table, a, label: str, spec: str, pruned: Path, samples: int, batch: int, seqlen: int, w: Path) -> None:
+def memory_rows(t: Table, a, label: str, spec: str, pruned: Path, samples: int, batch: int, seqlen: int, w: Path,
+                goal: bool = False) -> None:
     """Peak device memory of the LaCo walk, walk + final pass and LoRA on equal data, caches in RAM."""
     common = ["--dense", spec, "--sparse", str(pruned), "--samples", str(samples), "--seqlen", str(seqlen),
               "--batch-size", str(batch), "--epochs", "1", "--device", a.device, *a.calib]
@@ -131,8 +136,12 @@ def memory_rows(t: Table, a, label: str, spec: str, pruned: Path, samples: int, 
         lora = peaks(got["lora"])[0]
         ratio = ", ".join(f"{name} {v:.0f} MiB = 1/{lora / v:.1f}" for name, v in (("walk", walk), ("walk + final pass", final))
                           if v)
-        t.add(f"{label}: LaCo vs LoRA peak memory (goal: <= 1/7)", all(v and lora / v >= 7 for v in (walk, final)), 0,
-              f"LoRA {lora:.0f} MiB; LaCo {ratio}")
+        cuda = got["lora"].get("memory_kind") == "cuda_max_allocated"
+        met = all(v and lora / v >= 7 for v in (walk, final))
+        # the goal is the paper's claim on CUDA memory for the 1.1B shape; elsewhere a measurement only
+        t.add(f"{label}: LaCo vs LoRA peak memory" + (" (goal: <= 1/7)" if goal else ""),
+              met if goal and cuda else True, 0,
+              f"LoRA {lora:.0f} MiB; LaCo {ratio}" + ("" if cuda else " (host RSS: no CUDA memory on this run)"))
 
 
 def big_shape(t: Table, a, b: dict, w: Path) -> None:
@@ -145,8 +154,8 @@ def big_shape(t: Table, a, b: dict, w: Path) -> None:
                             "--device", a.device, "--out", str(w / f"{b['shape']}-pruned")), min(120, t.left() - 60))
     t.add(f"random-init {b['shape']} shape: built and magnitude-pruned", code == 0, time.perf_counter() - t0, tail)
     if code == 0:
-        memory_rows(t, a, b["shape"], str(dense), w / f"{b['shape']}-pruned", b["big_samples"], b["big_batch"], 256
-                    if b["shape"] != "tiny" else b["seqlen"], w)
+        memory_rows(t, a, b["shape"], str(dense), w / f"{b['shape']}-pruned", b["big_samples"], b["big_batch"],
+                    256 if b["shape"] != "tiny" else b["seqlen"], w, goal=True)
 
 
 def runtimes(t: Table, a, w: Path) -> None:
@@ -225,10 +234,11 @@ def main() -> None:
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "CPU"
     t = Table(a.budget_s, f"{name}, torch {torch.__version__}{', smoke budgets' if a.smoke else ''}")
     unit_tests(t, a.device, a.smoke)
-    default_model(t, a, b, w)
-    if (w / "pruned").is_dir():
-        spec = (w / "default-spec.txt").read_text().strip() if (w / "default-spec.txt").is_file() else a.model
-        memory_rows(t, a, "default model", spec, w / "pruned", b["mem_samples"], 64 if not a.smoke else 2, b["seqlen"], w)
+    recs = default_model(t, a, b, w)
+    if (w / "pruned").is_dir():  # at the batch the paper-budget LaCo run chose
+        spec = (w / "default-spec.txt").read_text().strip()
+        batch = (recs.get("laco") or {}).get("settings", {}).get("compensate", {}).get("batch_size") or 8
+        memory_rows(t, a, "default model", spec, w / "pruned", b["mem_samples"], batch, b["seqlen"], w)
     big_shape(t, a, b, w)
     runtimes(t, a, w)
     if (w / "default-spec.txt").is_file():
