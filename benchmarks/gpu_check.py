@@ -83,20 +83,20 @@ def default_model(t: Table, a, b: dict, w: Path) -> dict:
     t.note(f"default model: {spec} ({note})")
     dev, data = ["--device", a.device], ["--seqlen", str(b["seqlen"])]
     code, tail, s = run(cli("prune", "--model", spec, "--method", "wanda", "--samples", str(b["prune_samples"]),
-                            *data, *a.calib, *dev, "--out", str(w / "pruned")), min(150, t.left() - 200))
+                            *data, *a.calib, *dev, "--out", str(w / "pruned"), "--force"), min(150, t.left() - 200))
     t.add("prune: Wanda 50% of the default model", code == 0, s, tail if code else f"{b['prune_samples']} samples")
     if code:
         return {}
     common = ["--dense", spec, "--sparse", str(w / "pruned"), "--samples", str(b["samples"]), *data, *a.calib,
               "--epochs", str(b["epochs"]), *dev]
-    code, tail, s = run(cli("compensate", *common, "--json", str(w / "laco.json"), "--out", str(w / "laco")),
+    code, tail, s = run(cli("compensate", *common, "--json", str(w / "laco.json"), "--out", str(w / "laco"), "--force"),
                         min(150, t.left() - 150))
     laco = record(w / "laco.json")
     t.add(f"LaCo {b['samples']} x {b['seqlen']}, {b['epochs']} epochs + final KL pass (goal: <= 60 s)", code == 0, s,
           laco_detail(laco) if laco else tail)
     batch = str(laco.get("settings", {}).get("compensate", {}).get("batch_size") or 8)
     code, tail, s = run(cli("compensate", "--method", "lora", *common, "--batch-size", batch,
-                            "--json", str(w / "lora.json"), "--out", str(w / "lora")), min(120, t.left() - 120))
+                            "--json", str(w / "lora.json"), "--out", str(w / "lora"), "--force"), min(120, t.left() - 120))
     lora = record(w / "lora.json")
     lr = lora.get("settings", {}).get("lora", {})
     t.add(f"LoRA baseline, same samples and batch {batch}", code == 0, s,
@@ -126,7 +126,8 @@ def memory_rows(t: Table, a, label: str, spec: str, pruned: Path, samples: int, 
             t.add(f"{label}: peak memory {method}", None, 0, "no time left in the 8 minutes")
             continue
         out = w / f"mem-{label}-{method}"
-        code, tail, s = run(cli("compensate", "--method", method, *common, *extra, "--json", f"{out}.json", "--out", str(out)),
+        code, tail, s = run(cli("compensate", "--method", method, *common, *extra, "--json", f"{out}.json", "--out", str(out),
+                                "--force"),
                             min(150, t.left() - 30))
         got[method] = record(Path(f"{out}.json"))
         t.add(f"{label}: {method} {samples} x {seqlen}, batch {batch}", code == 0, s,
@@ -151,7 +152,7 @@ def big_shape(t: Table, a, b: dict, w: Path) -> None:
     t0 = time.perf_counter()
     dense = make_random_model(b["shape"], w / b["shape"], a.device)
     code, tail, s = run(cli("prune", "--model", str(dense), "--method", "magnitude", "--samples", "2", "--seqlen", "32",
-                            "--device", a.device, "--out", str(w / f"{b['shape']}-pruned")), min(120, t.left() - 60))
+                            "--device", a.device, "--out", str(w / f"{b['shape']}-pruned"), "--force"), min(120, t.left() - 60))
     t.add(f"random-init {b['shape']} shape: built and magnitude-pruned", code == 0, time.perf_counter() - t0, tail)
     if code == 0:
         memory_rows(t, a, b["shape"], str(dense), w / f"{b['shape']}-pruned", b["big_samples"], b["big_batch"],
@@ -165,7 +166,7 @@ def runtimes(t: Table, a, w: Path) -> None:
     elif not (w / "laco" / "config.json").is_file() or t.left() < 60:
         t.add("llama.cpp runtime", None, 0, "no LaCo model or no time left")
     else:
-        code, tail, s = run(cli("export", "--model", str(w / "laco"), "--target", "gguf", "--out", str(w / "gguf")),
+        code, tail, s = run(cli("export", "--model", str(w / "laco"), "--target", "gguf", "--out", str(w / "gguf"), "--force"),
                             t.left() - 20)
         t.add("llama.cpp: GGUF export of the LaCo model", code == 0, s, tail)
     if importlib.util.find_spec("onnxruntime") is None:
@@ -191,9 +192,9 @@ def data_parallel(t: Table, a, w: Path) -> None:
         return
     spec = (w / "default-spec.txt").read_text().strip()
     prune = ["prune", "--model", spec, "--method", "wanda", "--samples", "64", "--device", "auto", *a.calib]
-    c1, tail1, s1 = run(cli(*prune, "--out", str(w / "p1")), t.left() / 2)
+    c1, tail1, s1 = run(cli(*prune, "--out", str(w / "p1"), "--force"), t.left() / 2)
     c2, tail2, s2 = run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-                         "-m", "laco_deploy.cli", "--quiet", *prune, "--out", str(w / f"p{gpus}")], t.left() - 10)
+                         "-m", "laco_deploy.cli", "--quiet", *prune, "--out", str(w / f"p{gpus}"), "--force"], t.left() - 10)
     ok = c1 == 0 and c2 == 0
     t.add("torchrun data parallel", ok, s1 + s2,
           f"{gpus} ranks: Wanda masks differ in {mask_mismatches(w / 'p1', w / f'p{gpus}')} weights; wall {s1:.0f} s (1) "
