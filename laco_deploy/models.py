@@ -177,10 +177,11 @@ def check_source(spec: str, *, allow_pickle: bool | None = False, trust_remote_c
                  seqlen: int | None = None) -> ModelSource:
     """Every check of a model source that needs neither loading nor converting it, so that a bad
     model is reported before any slow work: the path exists, an HF directory has a readable
-    config.json of a supported family, no code of its own unless trusted, complete weights we may load, a GGUF file that will be converted
-    is complete (one already converted, same size and mtime, is not read again: ~3 s for 100 MB).
-    None for allow_pickle / trust_remote_code: the caller offers no such setting (the refusal names none).
-    `seqlen`: the samples' length, refused when longer than the model's context."""
+    config.json of a supported family, no code of its own unless trusted and complete weights we
+    may load, a GGUF file that will be converted is complete (one already converted, same size and
+    mtime, is not read again: ~3 s for 100 MB). None for allow_pickle / trust_remote_code: the caller
+    offers no such setting (the refusal names none). `seqlen`: the samples' length, refused when
+    longer than the model's context."""
     source = resolve_source(spec)
     if source.kind == HF_DIR:
         _check_hf_dir(source.path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
