@@ -45,7 +45,7 @@ def prune_command(
     model: ModelOpt = _M.model,
     method: Annotated[str, typer.Option("--method", help=f"Pruning method: {', '.join(PRUNE_METHODS)}.")] = _P.method,
     sparsity: Annotated[Optional[float], typer.Option("--sparsity", help=f"Unstructured share of weights zeroed in every output row, in [0, 1). Default: {_P.sparsity} (not with --pattern or --structured, which set the share themselves).", show_default=False)] = None,
-    pattern: Annotated[str | None, typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (overrides --sparsity). Default: none (unstructured).")] = _P.pattern,
+    pattern: Annotated[str | None, typer.Option("--pattern", help="N:M semi-structured sparsity, e.g. 2:4 or 4:8 (instead of --sparsity). Default: none (unstructured).")] = _P.pattern,
     structured: Annotated[float | None, typer.Option("--structured", help="Remove this share of FFN channels and KV head groups physically, e.g. 0.3 (smaller matrices). Default: none (no structured pruning).")] = _P.structured,
     structured_metric: Annotated[str, typer.Option("--structured-metric", help="Importance for --structured: wanda (|W|*||X|| summed per channel) or fluctuation (FLAP).")] = _P.structured_metric,
     structured_multiple: Annotated[int, typer.Option("--structured-multiple", help="--structured keeps a multiple of this many FFN channels per layer: 32 keeps every matrix in GGUF Q8_0/Q5_0 and ONNX int8 blocks (other widths are stored as F16), 256 fits the K-quants' blocks, 1 keeps the exact ratio.")] = _P.structured_multiple,
