@@ -181,3 +181,25 @@ def test_real_runs_leave_every_sentinel_and_a_rerun_needs_force(cli, tiny_llama_
     assert code == 0, err
     assert sentinels.intact() == [] and sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["neighbour.txt", f".{out.name}.old", "sub", out.name])
+
+
+@pytest.mark.parametrize("case", ["a link", "a folder holding the current one", "a build folder as a model --out"])
+def test_check_output_refuses_what_it_cannot_own(tmp_path, monkeypatch, case):
+    from laco_deploy.errors import OutputError
+    from laco_deploy.fsutil import check_output, mark_folder
+
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "keep.txt").write_text(PRECIOUS)
+    monkeypatch.chdir(user)
+    if case == "a link":
+        (tmp_path / "link").symlink_to(user)
+        target, words = tmp_path / "link", "is a link"
+    elif case == "a folder holding the current one":
+        target, words = Path(".."), "a folder holding the current folder"
+    else:
+        target, words = mark_folder(tmp_path / "build"), "build or checkpoint folder"
+        (target / "build.log").write_text("a build's log\n")
+    with pytest.raises(OutputError, match=words):
+        check_output(target, "--out", force=True, force_option="--force")
+    assert (user / "keep.txt").read_text() == PRECIOUS
