@@ -7,6 +7,7 @@ Each stage's `run(...)` returns one of these (or a subclass defined next to the 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,18 @@ def pattern_label(pattern: str | None, ratio: float | None = None, *, owl: bool 
 class Artifact:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def written_at(cls, path: Path) -> bool:
+        """Whether `path` holds a record of this kind as laco-deploy writes it (JSON with every required
+        field), so that a rerun may replace it with --force; any other file is never replaced."""
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(doc, dict) and required <= doc.keys()
 
 
 @dataclass(frozen=True)

@@ -203,3 +203,42 @@ def test_check_output_refuses_what_it_cannot_own(tmp_path, monkeypatch, case):
     with pytest.raises(OutputError, match=words):
         check_output(target, "--out", force=True, force_option="--force")
     assert (user / "keep.txt").read_text() == PRECIOUS
+
+
+REPORTS = {  # command -> (arguments writing the record at OUT, what an earlier record of it holds)
+    "compensate --json": (lambda tiny, out: ["compensate", "--dense", tiny, "--sparse", tiny, "--out", out.parent / "m",
+                                             "--method", "none", "--json", out],
+                          json.dumps({"model_dir": "m", "stage": "compensate", "sparsity": 0.5, "pattern": "2:4"})),
+    "bench run --out": (lambda tiny, out: ["bench", "run", f"m={tiny}", "--runtime", "llama.cpp", "--out", out],
+                        json.dumps({"runtime": "llama.cpp", "environment": {}, "protocol": {}, "models": {}})),
+}
+
+
+@pytest.mark.parametrize("command", list(REPORTS))
+def test_result_records_replace_only_their_own_kind_with_force(cli, tiny_llama_dir, tmp_path, monkeypatch, no_work, command):
+    monkeypatch.setattr(importlib.import_module("laco_deploy.targets").Target, "run_benchmark", _never("the benchmark"))
+    args, earlier = REPORTS[command]
+    out = tmp_path / "record.json"
+    out.write_text('{"mine": true}\n')
+    code, _, err = cli(*args(tiny_llama_dir, out), "--force")
+    assert code == 2 and "existing file that laco-deploy did not write" in err, err
+    assert out.read_text() == '{"mine": true}\n'
+    out.write_text(earlier)
+    code, _, err = cli(*args(tiny_llama_dir, out))
+    assert code == 2 and "earlier laco-deploy output; pass --force" in err, err
+    code, _, err = cli(*args(tiny_llama_dir, out), "--force")
+    assert code == 3 and "ran although --out was refused" in err  # --force lets it through to the work
+
+
+def test_compare_markdown_replaces_only_its_own_table(cli, tmp_path):
+    result = tmp_path / "r.json"
+    result.write_text(json.dumps({"suite": "ci", "metrics": {"ppl.laco": {"value": 30.0, "better": "lower", "rel": 0.1}}}))
+    md = tmp_path / "cmp.md"
+    md.write_text("# my notes\n")
+    code, _, err = cli("bench", "compare", result, result, "--markdown", md, "--force")
+    assert code == 2 and "did not write" in err and md.read_text() == "# my notes\n", err
+    md.unlink()
+    assert cli("bench", "compare", result, result, "--markdown", md)[0] == 0
+    code, _, err = cli("bench", "compare", result, result, "--markdown", md)
+    assert code == 2 and "--force" in err, err
+    assert cli("bench", "compare", result, result, "--markdown", md, "--force")[0] == 0

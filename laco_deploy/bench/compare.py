@@ -83,10 +83,22 @@ def failed(rows: list[Row]) -> list[Row]:
     return [r for r in rows if r.status in ("REGRESSED", "missing")]
 
 
+TABLE_HEAD = "| metric | baseline | current | change | tolerance | status |"
+
+
+def is_table_file(path: Path) -> bool:
+    """Whether `path` holds a table `render` wrote (a rerun may replace it with --force)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().rstrip("\n") == TABLE_HEAD
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def render(rows: list[Row]) -> str:
     """A Markdown table (reads well in a terminal and as a pull-request comment)."""
     fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
-    lines = ["| metric | baseline | current | change | tolerance | status |", "|---|---:|---:|---:|---|---|"]
+    lines = [TABLE_HEAD, "|---|---:|---:|---:|---|---|"]
     for r in rows:
         change = "-" if r.change is None else f"{r.change:+.1%}"
         lines.append(f"| {r.name} | {fmt(r.baseline)} | {fmt(r.current)} | {change} | {r.allowed} | {r.status} |")

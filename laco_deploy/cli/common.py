@@ -45,8 +45,8 @@ ResumeOpt = Annotated[bool, typer.Option("--resume", help=(
     "Continue an interrupted run from its checkpoints (OUT.ckpt; build: the build folder's) with the same "
     "settings; the result equals an uninterrupted run. Default: off, start over."))]
 ForceOpt = Annotated[bool, typer.Option("--force", help=(
-    "Replace --out when it is an earlier laco-deploy output. A file or folder laco-deploy did not write is "
-    "never replaced, with or without --force."))]
+    "Replace an output (--out, and the --json record where the command has one) that an earlier laco-deploy run "
+    "wrote. A file or folder laco-deploy did not write is never replaced, with or without --force."))]
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", help=(
     "Calibration samples per layer call when pruning, per training step when compensating (memory grows with it)."))]
 OptFloat = Optional[float]

@@ -23,7 +23,7 @@ from laco_deploy.cli.common import (
     model_config,
 )
 from laco_deploy.config import LOSSES, CompensateConfig, DataConfig, ModelConfig
-from laco_deploy.fsutil import check_writable
+from laco_deploy.fsutil import check_output
 
 _C, _D = CompensateConfig(), DataConfig()
 
@@ -104,7 +104,9 @@ def compensate_command(
                             offload=offload, samples=samples)
     check(dcfg.validate() + ccfg.validate())
     check_model_out(out, force)
-    check_writable(json_out, "--json")
+    from laco_deploy.artifacts import ModelDirResult
+
+    check_output(json_out, "--json", force=force, kind="file", made_here=ModelDirResult.written_at, force_option="--force")
     from laco_deploy.compensate import run
     from laco_deploy.models import resolve_device
 
