@@ -284,6 +284,9 @@ class FidelityConfig:
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
     task_batch_size: int = 16  # sequences per forward pass in the harness (SmolLM2-135M on 2 cores: 16-32 ~25% faster than 8)
+    # dense PyTorch vs dense runtime export perplexity on the same windows may differ by this share before the
+    # report calls them in disagreement (q8_0 exports: ~1%; a missing BOS: 4x on Gemma 3); low-bit quants widen it
+    runtime_ppl_tolerance: float = 0.10
 
     def validate(self) -> list[str]:
         errs = []
@@ -305,6 +308,8 @@ class FidelityConfig:
             errs.append(f"fidelity.task_limit {self.task_limit} must be at least 1 (or left out for every document)")
         if self.task_batch_size < 1:
             errs.append(f"fidelity.task_batch_size {self.task_batch_size} must be at least 1")
+        if not self.runtime_ppl_tolerance > 0:
+            errs.append(f"fidelity.runtime_ppl_tolerance {self.runtime_ppl_tolerance} must be above 0 (e.g. 0.1 for 10%)")
         return errs
 
 

@@ -220,44 +220,101 @@ def _read_hf(spec: str) -> list[str]:
     return [t for t in ds[column] if isinstance(t, str) and t.strip()]
 
 
+# Bump when the way samples and windows are cut changes: stage reuse keys and reports record it, so
+# cached stages rerun on the new tokens. 2: every sample starts as the tokenizer starts a sequence.
+SAMPLE_FORMAT = 2
+
+
+def sequence_affixes(tokenizer) -> tuple[list[int], list[int]]:
+    """(prefix, suffix): the special tokens the tokenizer puts around a text it encodes for the model.
+
+    [BOS] / [] for Llama, Gemma and SentencePiece tokenizers; [] / [] for GPT-2-style ones (SmolLM2).
+    Read from what `tokenizer(text)` adds to the bare encoding, so a tokenizer's own settings
+    (`add_bos_token`, a post-processor) decide, not a list of families."""
+    probe = "The text"
+    full = list(tokenizer(probe)["input_ids"])
+    bare = list(tokenizer(probe, add_special_tokens=False)["input_ids"])
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    raise DataError(f"the tokenizer encodes {probe!r} differently with and without its special tokens "
+                    f"({full} vs {bare}); pass a tokenizer whose special tokens only wrap the text")
+
+
+def sample_format(tokenizer) -> dict:
+    """How samples are cut for this tokenizer, for records and reuse keys."""
+    prefix, suffix = sequence_affixes(tokenizer)
+    return {"version": SAMPLE_FORMAT, "prefix": prefix, "separator": _separator(tokenizer, suffix)}
+
+
+def _separator(tokenizer, suffix: list[int]) -> list[int]:
+    """Tokens between documents: what the tokenizer appends, else EOS (GPT-2 style), else nothing."""
+    if suffix:
+        return suffix
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
 def _token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
-    """All documents tokenized and joined with the EOS token, as one 1-D stream."""
-    sep = tokenizer.eos_token_id
+    """All documents as one 1-D stream, each encoded as the model sees a sequence: the tokenizer's
+    prefix (BOS where it adds one), the text, then its suffix or EOS."""
+    prefix, suffix = sequence_affixes(tokenizer)
+    sep = _separator(tokenizer, suffix)
     ids: list[int] = []
     for doc in docs:
+        ids += prefix
         ids.extend(tokenizer(doc, add_special_tokens=False)["input_ids"])
-        if sep is not None:
-            ids.append(sep)
+        ids += sep
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _window(stream: torch.Tensor, start: int, seqlen: int, prefix: list[int]) -> tuple[torch.Tensor, int]:
+    """The sample of `seqlen` tokens starting at `start`, and how many stream tokens it used.
+
+    A sample that starts inside a document gets the prefix (BOS) first, as every sequence the
+    model sees does; one that starts at a document's own prefix uses it as is. [seqlen] int64."""
+    n = len(prefix)
+    if not n or stream[start:start + n].tolist() == prefix:
+        return stream[start:start + seqlen], seqlen
+    head = torch.tensor(prefix, dtype=torch.long)
+    return torch.cat([head, stream[start:start + seqlen - n]]), seqlen - n
+
+
 def calibration_samples(tokenizer, spec: str, samples: int, seqlen: int, seed: int) -> torch.Tensor:
-    """`samples` random windows of `seqlen` tokens. [samples, seqlen] int64; same seed, same windows."""
+    """`samples` random windows of `seqlen` tokens. [samples, seqlen] int64; same seed, same windows.
+    Each starts as the tokenizer starts a sequence (BOS where it adds one)."""
     stream = _token_stream(tokenizer, load_texts(spec, "calib"))
-    if stream.numel() < seqlen:
+    prefix, _ = sequence_affixes(tokenizer)
+    if stream.numel() < seqlen or seqlen <= len(prefix):
         raise DataError(f"calibration text {spec} has {stream.numel()} tokens, fewer than one sample of data.seqlen {seqlen}; add text or lower data.seqlen")
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, stream.numel() - seqlen + 1, (samples,), generator=gen)
-    return torch.stack([stream[s : s + seqlen] for s in starts.tolist()])
+    return torch.stack([_window(stream, s, seqlen, prefix)[0] for s in starts.tolist()])
 
 
 def evaluation_windows(tokenizer, spec: str, windows: int, seqlen: int) -> torch.Tensor:
     """The first `windows` non-overlapping windows of the evaluation text. [n, seqlen] int64.
 
-    Contiguous and seed-free so every model and runtime is scored on exactly the same tokens.
+    Contiguous and seed-free so every model and runtime is scored on exactly the same tokens; each
+    window starts as the tokenizer starts a sequence (a window cut inside a document gets BOS first).
     Returns fewer windows when the text is shorter (at least one).
     """
     stream = _token_stream(tokenizer, load_texts(spec, "eval"))
-    n = min(windows, stream.numel() // seqlen)
-    if n < 1:
+    prefix, _ = sequence_affixes(tokenizer)
+    out, pos = [], 0
+    while len(out) < windows and seqlen > len(prefix) and pos + seqlen <= stream.numel():
+        w, used = _window(stream, pos, seqlen, prefix)
+        out.append(w)
+        pos += used
+    if not out:
         raise DataError(f"evaluation text {spec} has {stream.numel()} tokens, fewer than one window of {seqlen}; add text or lower data.seqlen")
-    if n < windows:
-        log.warning("evaluation text holds only %d windows of %d tokens (asked for %d)", n, seqlen, windows)
-    return stream[: n * seqlen].view(n, seqlen)
+    if len(out) < windows:
+        log.warning("evaluation text holds only %d windows of %d tokens (asked for %d)", len(out), seqlen, windows)
+    return torch.stack(out)
 
 
 def evaluation_stream(tokenizer, spec: str, max_tokens: int | None = None) -> torch.Tensor:
-    """The evaluation text as one token stream (runtimes with their own windowing use this)."""
+    """The evaluation text as one token stream, starting as the tokenizer starts a sequence
+    (parity checks score its head)."""
     stream = _token_stream(tokenizer, load_texts(spec, "eval"))
     if stream.numel() == 0:
         raise DataError(f"evaluation text {spec} is empty")

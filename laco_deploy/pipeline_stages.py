@@ -64,12 +64,18 @@ class Layout:
 
 
 def _calib(data) -> dict:
-    """The data settings that shape calibration samples (evaluation settings must not rerun training)."""
-    return {"calib": data.calib, "samples": data.samples, "seqlen": data.seqlen, "seed": data.seed}
+    """The data settings that shape calibration samples (evaluation settings must not rerun training),
+    and how samples are cut (a new cut reruns the stages that read them)."""
+    from laco_deploy.data import SAMPLE_FORMAT
+
+    return {"calib": data.calib, "samples": data.samples, "seqlen": data.seqlen, "seed": data.seed,
+            "sample_format": SAMPLE_FORMAT}
 
 
 def _eval(data) -> dict:
-    return {"eval": data.eval, "eval_samples": data.eval_samples, "seqlen": data.seqlen}
+    from laco_deploy.data import SAMPLE_FORMAT
+
+    return {"eval": data.eval, "eval_samples": data.eval_samples, "seqlen": data.seqlen, "sample_format": SAMPLE_FORMAT}
 
 
 class BuildRecipe:
@@ -174,13 +180,16 @@ class BuildRecipe:
             candidates[cfg.compensate.method] = recovered
         candidates[f"{self.target.name}-{self.layout.quant}"] = exported["model"]
         settings = {"data": _eval(cfg.data), "fidelity": to_dict(cfg.fidelity)}
-        inputs: dict[str, Any] = {"dense": src["model"], "eval": src["eval"], "candidates": candidates}
+        # the dense model's own export, scored on the same windows: do PyTorch and the runtime agree?
+        inputs: dict[str, Any] = {"dense": src["model"], "eval": src["eval"], "candidates": candidates,
+                                  "runtime_dense": exported["dense"]}
         if "tasks" in src:
             inputs["tasks"] = src["tasks"]
         outputs = {name: self.layout.root / name for name in ("fidelity.json", "fidelity.md", "fidelity.html")}
         paths = {label: out.path for label, out in candidates.items()}
         done = self.cache.run("fidelity", settings, inputs, outputs,
-                              lambda: fidelity(cfg.model, cfg.data, cfg.fidelity, paths, self.layout.root, device=self.device))
+                              lambda: fidelity(cfg.model, cfg.data, cfg.fidelity, paths, self.layout.root, device=self.device,
+                                               runtime_dense=exported["dense"].path))
         return verdict(done.result)
 
     def bench(self, exported: dict[str, Output]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from laco_deploy.fidelity.gates import verdict
+from laco_deploy.fidelity.verdicts import gaps_withheld, worse_than_pruned
 
 
 def _median(v: Any) -> Any:
@@ -34,6 +35,8 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
             out["ppl_pytorch"][label] = m.get("ppl")
         out["kl_mean"] = {label: m.get("kl", {}).get("mean") for label, m in cands.items()}
         out["top1"] = {label: m.get("top1") for label, m in cands.items()}
+        out["worse_than_pruned"] = worse_than_pruned(fid.get("candidates", {}))
+        out["runtime_agreement"] = fid.get("runtime_agreement")
         out.update(_domain_summary(fid))
         out["gates"] = fid.get("gates", [])
         out["gates_passed"] = verdict(fid)
@@ -58,13 +61,23 @@ def _domain_summary(fid: dict[str, Any]) -> dict[str, Any]:
         ppl[label] = {d: v.get("ppl") for d, v in (c.get("domains") or {}).items()}
     gap: dict[str, dict[str, float]] = {}
     pruned = ppl.get("pruned", {})
+    withheld = gaps_withheld(fid)
+    worse = worse_than_pruned(fid.get("candidates") or {})
     for label, row in ppl.items():
-        if label in ("dense", "pruned"):
+        if label in ("dense", "pruned") or withheld or label in worse:
             continue
         gap[label] = {d: (pruned[d] - p) / (pruned[d] - ppl["dense"][d]) for d, p in row.items()
                       if p is not None and pruned.get(d) is not None and pruned[d] != ppl["dense"][d]}
     in_domain = [d["label"] for d in (fid.get("settings") or {}).get("domains", []) if d.get("in_domain")]
-    return {"ppl_by_domain": ppl, "gap_closed_by_domain": gap, "in_domain": in_domain}
+    return {"ppl_by_domain": ppl, "gap_closed_by_domain": gap, "in_domain": in_domain, "gap_withheld": withheld}
+
+
+def verdict_lines(summary: dict[str, Any]) -> list[str]:
+    """The dense PyTorch vs runtime check: one line, shouted when they disagree."""
+    rec = summary.get("runtime_agreement")
+    if not rec:
+        return []
+    return [("WARNING: " if not rec.get("agree") else "") + rec.get("message", ""), ""]
 
 
 def domain_lines(summary: dict[str, Any]) -> list[str]:
@@ -88,6 +101,10 @@ def domain_lines(summary: dict[str, Any]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["perplexity by evaluation domain (PyTorch / exported model; % = share of the pruned-to-dense gap closed;",
              "in = a genre the calibration text covers, out = a genre calibration never saw)"]
+    if summary.get("gap_withheld"):
+        lines.append("no gap-closed shares: PyTorch and the runtime disagree on the dense model (above)")
+    lines += [f"no gap-closed share for {label}: it is {why}" for label, why in (summary.get("worse_than_pruned") or {}).items()
+              if label in ppl]
     for n, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
         if n == 0:
@@ -117,15 +134,18 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
         for label in summary.get(key) or {}:
             if label not in labels:
                 labels.append(label)
-    rows = [["model"] + [title for _, title in cols]]
+    worse = summary.get("worse_than_pruned") or {}
+    rows = [["model"] + [title for _, title in cols] + (["vs pruned"] if worse else [])]
     for label in labels:
-        rows.append([label] + [_fmt((summary.get(key) or {}).get(label)) for key, _ in cols])
+        rows.append([label] + [_fmt((summary.get(key) or {}).get(label)) for key, _ in cols]
+                    + ([worse.get(label, "")] if worse else []))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for n, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     lines.append("")
+    lines += verdict_lines(summary)
     lines += domain_lines(summary)
     gates = summary.get("gates") or []
     if gates:

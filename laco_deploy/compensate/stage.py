@@ -21,6 +21,7 @@ from laco_deploy import devices, distributed, memplan
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.compensate import laco, lora, steps, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
+from laco_deploy.compensate.guard import ModelGuard, restore_layers_from
 from laco_deploy.compensate.masks import dense_numel
 from laco_deploy.compensate.train import amp_dtype, resolve_precision
 from laco_deploy.compensate.record import config_summary, result_record, sparsity_document
@@ -85,7 +86,7 @@ def _fingerprint(model_cfg, data_cfg, comp_cfg, budget: Budget, sparse_dir: Path
     weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sparse_dir.glob("*.safetensors"))
     fp = {"stage": "compensate", "dense": model_cfg.model, "sparse": str(sparse_dir.resolve()),
           "sparse_config": (sparse_dir / "config.json").read_text(), "sparse_weights": weights,
-          "data": {"calib": data_cfg.calib, "seed": data_cfg.seed}, "budget": to_dict(budget),
+          "data": {"calib": data_cfg.calib, "seed": data_cfg.seed, "sample_format": data_mod.SAMPLE_FORMAT}, "budget": to_dict(budget),
           "compensate": to_dict(comp_cfg)}
     return json.loads(json.dumps(fp))
 
@@ -144,17 +145,18 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     t0 = time.perf_counter()
     if comp_cfg.method == "laco":
         fp = _fingerprint(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
+        guard = ModelGuard(restore_layers_from(sparse_dir))
         records, final_kl = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
                                   checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter,
                                   layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy,
-                                  kl_samples=budget.kl_samples)
-        model, summary = models.sparse, None
+                                  kl_samples=budget.kl_samples, guard=guard)
+        model, summary, model_guard = models.sparse, None, guard.record
     else:
         if resume:
             log.warning("the LoRA baseline trains the whole model at once and has no per-layer checkpoints to resume "
                         "from; it starts over")
         model, summary = lora.compensate(models.sparse, ids[: budget.samples], comp_cfg, targets, device=device, seed=data_cfg.seed)
-        records, final_kl = [], None
+        records, final_kl, model_guard = [], None, None
     meter.close()
     wall = time.perf_counter() - t0
     after = streamed.sparsity(model, models.sparse_lazy, targets, numel)
@@ -167,5 +169,6 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
         shutil.rmtree(ckpt, ignore_errors=True)
     log.info("compensated model written to %s (sparsity %.4f -> %.4f)", out_dir, before["sparsity"], after["sparsity"])
     return result_record(out_dir, info, comp_cfg, budget, before, after, records, summary, meter, wall, device,
-                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed}, final_kl=final_kl,
-                         steps_note=f"training steps: {step_plan.reason}")
+                         reference_gflops, data={"calib": data_cfg.calib, "seed": data_cfg.seed,
+                                                 "sample_format": data_mod.SAMPLE_FORMAT},
+                         final_kl=final_kl, steps_note=f"training steps: {step_plan.reason}", model_guard=model_guard)

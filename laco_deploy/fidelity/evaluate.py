@@ -28,7 +28,7 @@ from laco_deploy import distributed
 from laco_deploy.artifacts import Artifact
 from laco_deploy.bench.runner import open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
-from laco_deploy.data import check_texts, eval_domains, evaluation_windows, in_domain
+from laco_deploy.data import check_texts, eval_domains, evaluation_windows, in_domain, sample_format
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
@@ -36,6 +36,7 @@ from laco_deploy.fidelity.layerwise import LayerCurves
 from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
 from laco_deploy.fidelity.tasks import load_tasks
 from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
+from laco_deploy.fidelity.verdicts import runtime_agreement
 from laco_deploy.models import check_source, load_model, local_model_dir, resolve_device
 from laco_deploy.progress import progress_bar
 from laco_deploy.targets import target_for_path
@@ -58,6 +59,7 @@ class FidelityResult(Artifact):
     reports: dict[str, str] = field(default_factory=dict)  # kind -> file path
     notes: list[str] = field(default_factory=list)
     zeroshot: dict[str, Any] | None = None  # zero-shot accuracy (fidelity/zeroshot.py) when tasks were given
+    runtime_agreement: dict[str, Any] | None = None  # dense PyTorch vs its runtime export, same windows (verdicts.py)
     wall_s: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
@@ -156,9 +158,12 @@ def run(
     report_dir: Path,
     *,
     device: torch.device | None = None,
+    runtime_dense: str | Path | None = None,
 ) -> FidelityResult:
     """Compare each candidate with the dense model `model_cfg.model`, write the three reports into
-    `report_dir` and return the result. Failed gates set `passed=False`; raising is the caller's call."""
+    `report_dir` and return the result. Failed gates set `passed=False`; raising is the caller's call.
+    `runtime_dense`: the dense model exported for a runtime (.gguf, ONNX); scored on the same windows,
+    it checks that PyTorch and the runtime agree on the dense model (`runtime_agreement`)."""
     errs = model_cfg.validate() + data_cfg.validate() + fid_cfg.validate()
     if errs:
         raise ConfigError("; ".join(errs))
@@ -171,6 +176,7 @@ def run(
     zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None
     device = device if device is not None else resolve_device(model_cfg.device)
     runtime_cands, torch_cands = _split_candidates(candidates)
+    reference = _runtime_reference(runtime_dense)
     dense_dir = local_model_dir(model_cfg.model)
     tokenizer = _tokenizer(dense_dir, model_cfg)
     domains = eval_domains(data_cfg.eval)
@@ -186,11 +192,12 @@ def run(
                         load_resident=resident)
     stats = {label: _Stats("pytorch", tp.curves[label]) for label in torch_cands}
     dense_nll, dense_by_domain = _score_torch(mine, my_domain, tp, stats)
-    tp.release(keep=(DENSE,) if runtime_cands else ())
-    for label, path in runtime_cands.items():
+    tp.release(keep=(DENSE,) if runtime_cands or reference else ())
+    for label, path in {**runtime_cands, **({_REFERENCE: reference} if reference else {})}.items():
         stats[label] = _score_runtime(label, path, mine, my_domain, tp, fid_cfg)
     tp.close()
     dense_nll, dense_by_domain, stats = _gather(dense_nll, dense_by_domain, stats)
+    ref_stats = stats.pop(_REFERENCE, None)
     zeroshot = None
     if zs_tasks is not None and distributed.is_main():
         from laco_deploy.fidelity.zeroshot import evaluate_models
@@ -199,6 +206,8 @@ def run(
                                    _zeroshot_skipped(runtime_cands))
     dense_ppl = M.perplexity(*dense_nll)
     dense_domain_ppl = {d: M.perplexity(*sums) for d, sums in dense_by_domain.items()}
+    agreement = (_agreement(reference, ref_stats, dense_ppl, dense_domain_ppl, fid_cfg, int(windows.shape[0]), notes)
+                 if ref_stats is not None else None)
     cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl, dense_domain_ppl)
                 for label in candidates}
     gates = evaluate_gates(fid_cfg, {label: c["metrics"] for label, c in cand_out.items()})
@@ -213,12 +222,14 @@ def run(
         settings={"eval": data_cfg.eval, "eval_samples": data_cfg.eval_samples, "windows": int(windows.shape[0]),
                   "domains": [{"label": label, "spec": spec, "windows": int(per_domain[label].shape[0]),
                                "in_domain": in_domain(spec, data_cfg.calib)} for label, spec in domains],
-                  "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(windows), "device": str(device),
+                  "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(windows), "sample_format": sample_format(tokenizer),
+                  "device": str(device),
                   "fidelity": to_dict(fid_cfg), "model": to_dict(model_cfg)},
         versions=versions(),
         reports={kind: str(report_dir / name) for kind, name in REPORT_FILES.items()},
         notes=notes,
         zeroshot=zeroshot,
+        runtime_agreement=agreement,
         wall_s=time.perf_counter() - t0,
     )
     from laco_deploy.fidelity.report import write_reports
@@ -242,6 +253,33 @@ def _gather(dense_nll: tuple[float, int], by_domain: dict[str, tuple[float, int]
         for label, st in other_stats.items():
             merged[label].absorb(st)
     return nll, merged_domain, merged
+
+
+_REFERENCE = "dense (runtime reference)"  # stats key of `runtime_dense`; never a candidate
+
+
+def _runtime_reference(path: str | Path | None) -> Path | None:
+    p = Path(path) if path is not None else None
+    if p is not None and (not p.exists() or target_for_path(p) is None):
+        raise ModelError(f"runtime reference {path} is not an existing runtime export; pass the dense model exported "
+                         "as a .gguf file or an ONNX folder/.onnx file")
+    return p
+
+
+def _agreement(path: Path, st: _Stats, dense_ppl: float, dense_domain_ppl: dict[str, float], fid_cfg: FidelityConfig,
+               windows: int, notes: list[str]) -> dict[str, Any]:
+    """Dense PyTorch vs the dense runtime export on the same windows; a disagreement is logged loudly
+    and noted in the report."""
+    m = st.metrics(dense_ppl)
+    domains = {d: (dense_domain_ppl[d], sums.metrics(dense_domain_ppl[d])["ppl"]) for d, sums in st.domains.items()}
+    rec = runtime_agreement(st.runtime, str(path), dense_ppl, m["ppl"], fid_cfg.runtime_ppl_tolerance,
+                            kl_mean=m["kl"]["mean"], top1=m["top1"], domains=domains, windows=windows)
+    if rec["agree"]:
+        log.info("%s", rec["message"])
+    else:
+        log.warning("%s", rec["message"])
+        notes.append(rec["message"])
+    return rec
 
 
 def _split_candidates(candidates: dict[str, str | Path]) -> tuple[dict[str, Path], dict[str, Path]]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from laco_deploy.fidelity.gates import gate_message
 from laco_deploy.fidelity.plots import kl_distribution_png, layer_curves_png
+from laco_deploy.fidelity.verdicts import worse_than_pruned
 from laco_deploy.fsutil import write_json, write_text
 
 _HEAD = ("candidate", "runtime", "KL mean", "KL median", "KL p99", "KL max", "top-1", "Δp(top)", "ppl", "ppl ratio", "gates")
@@ -61,10 +62,11 @@ def table_rows(data: dict[str, Any]) -> list[tuple[str, ...]]:
     """The summary table as text cells: the dense model first, then one row per candidate."""
     dense = data["dense"]
     rows = [("dense", "pytorch", "0", "0", "0", "0", "100.0%", "0", _f(dense["ppl"], ".3f"), "1.000", "")]
+    worse = worse_than_pruned(data["candidates"])
     for label, c in data["candidates"].items():
         m = c["metrics"]
         kl = m["kl"]
-        rows.append((label, c["runtime"], _f(kl["mean"], ".3g"), _f(kl["median"], ".3g"), _f(kl["p99"], ".3g"),
+        rows.append((label + (" (WORSE than pruned)" if label in worse else ""), c["runtime"], _f(kl["mean"], ".3g"), _f(kl["median"], ".3g"), _f(kl["p99"], ".3g"),
                      _f(kl["max"], ".3g"), _f(100 * m["top1"], ".1f") + "%", _f(m["p_top_delta"], "+.3g"),
                      _f(m["ppl"], ".3f"), _f(m["ppl_ratio"], ".3f"), _gate_status(data, label)))
     return rows
@@ -111,6 +113,9 @@ def markdown(data: dict[str, Any]) -> str:
     lines = [f"### Fidelity vs dense model: {verdict if data['gates'] else 'no gates set'}", "",
              "| " + " | ".join(_HEAD) + " |", "|---|---|" + "---:|" * 8 + "---|"]
     lines += ["| " + " | ".join(row) + " |" for row in table_rows(data)]
+    verdicts = verdict_lines(data)
+    if verdicts:
+        lines += [""] + [f"- **{v}**" if loud else f"- {v}" for v, loud in verdicts]
     lines += _domain_markdown(data)
     lines += ["", _setting_line(data)]
     lines += _zeroshot_markdown(data)
@@ -121,6 +126,16 @@ def markdown(data: dict[str, Any]) -> str:
         lines += ["", "Per-layer hidden states (PyTorch candidates):"] + [f"- {x}" for x in layer_lines]
     lines += [f"- note: {n}" for n in data.get("notes", [])]
     return "\n".join(lines) + "\n"
+
+
+def verdict_lines(data: dict[str, Any]) -> list[tuple[str, bool]]:
+    """(line, loud): the dense PyTorch vs runtime check, then every candidate worse than the pruned model."""
+    out = []
+    rec = data.get("runtime_agreement")
+    if rec:
+        out.append((rec["message"], not rec["agree"]))
+    out += [(f"{label}: {why}", True) for label, why in worse_than_pruned(data["candidates"]).items()]
+    return out
 
 
 def _gate_lines(gates: list[dict[str, Any]]) -> list[str]:
@@ -182,6 +197,9 @@ def html_page(data: dict[str, Any]) -> str:
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Fidelity report</title><style>{CSS}</style></head><body>",
              f"<h1>Fidelity vs dense model</h1><p>{verdict}</p><p>{esc(_setting_line(data).replace('`', ''))}</p>",
              html_table(_HEAD, table_rows(data), range(2, 10))]
+    if verdict_lines(data):
+        parts.append("<ul>" + "".join(f"<li class='{'fail' if loud else 'pass'}'>{esc(v)}</li>" for v, loud in verdict_lines(data))
+                     + "</ul>")
     d_head, d_rows = domain_rows(data)
     if d_rows:
         parts += ["<h2>Per evaluation domain</h2><p>In-domain: a genre the calibration text covers (never the same documents); out-of-domain: a genre calibration never saw.</p>",

@@ -56,7 +56,8 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConf
 
 
 def _calibration_record(data_cfg: DataConfig) -> dict:
-    return {"calib": data_cfg.calib, "samples": data_cfg.samples, "seqlen": data_cfg.seqlen, "seed": data_cfg.seed}
+    return {"calib": data_cfg.calib, "samples": data_cfg.samples, "seqlen": data_cfg.seqlen, "seed": data_cfg.seed,
+            "sample_format": data_mod.SAMPLE_FORMAT}
 
 
 def _fingerprint(ident: str, data_cfg: DataConfig, prune_cfg: PruneConfig) -> dict:

@@ -164,3 +164,39 @@ def test_after_real_wanda_prune(tiny_llama_dir, tmp_path):
     assert res.sparsity == before["overall"]["sparsity"] and res.pattern == "2:4"
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())["laco_deploy"]
     assert cfg["prune_method"] == "wanda" and cfg["stage"] == "compensate" and cfg["pattern"] == "2:4"
+
+
+def test_model_guard_compares_with_the_pruned_model(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    """The recovered model is scored against the pruned one on held-out samples at the model level."""
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=3), sparse_unstructured_dir, tmp_path / "out")
+    guard = res.settings["model_guard"]
+    assert guard["kept"] and guard["kl_recovered"] < guard["kl_pruned"] and guard["samples"] == 2  # 1/8 of 16
+    assert any("held-out KL to the dense logits: pruned" in n for n in res.notes)
+
+
+def test_model_guard_puts_the_pruned_weights_back_when_recovery_hurts(tiny_llama_dir, sparse_unstructured_dir,
+                                                                     tmp_path, monkeypatch):
+    """Every layer's fit is wrecked after its own check (noise under the mask): the model-level guard
+    sees the recovered model worse than the pruned one and writes the pruned weights."""
+    real = laco.make_step
+
+    def wrecking(*args, **kw):
+        step = real(*args, **kw)
+
+        def wreck(ctx):
+            record = step(ctx)
+            with torch.no_grad():
+                for p in ctx.layer.parameters():
+                    if p.dim() == 2:
+                        p.mul_(1 + 3 * torch.randn_like(p))  # zeros stay zero
+            return record
+
+        return wreck
+
+    monkeypatch.setattr(laco, "make_step", wrecking)
+    res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1), sparse_unstructured_dir, tmp_path / "out")
+    guard = res.settings["model_guard"]
+    assert not guard["kept"] and guard["kl_recovered"] > guard["kl_pruned"]
+    assert any("WORSE" in n for n in res.notes)
+    pruned, out = _weights(sparse_unstructured_dir), _weights(tmp_path / "out")
+    assert all(torch.equal(pruned[k], out[k]) for k in pruned if ".layers." in k)

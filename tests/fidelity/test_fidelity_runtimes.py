@@ -39,3 +39,22 @@ def test_onnx_candidate_through_onnxruntime(trained_dir, tmp_path):
     assert c["runtime"] == "onnxruntime" and c["per_layer"] is None
     assert c["metrics"]["kl"]["max"] < 1e-6 and c["metrics"]["top1"] == 1.0
     assert result.passed and "onnxruntime" in result.versions
+
+
+def test_dense_runtime_reference_agrees_on_the_same_windows(trained_dir, tmp_path):
+    """The dense model's own GGUF scored on the fidelity windows: f32 agrees with PyTorch; a tolerance
+    below what 8-bit weights cost makes the report say DISAGREE loudly."""
+    pytest.importorskip("llama_cpp")
+    from exporters.gguf import export
+    from laco_deploy.fidelity.report import markdown
+
+    f32 = export(trained_dir, tmp_path / "dense.f32.gguf", "f32").path
+    q8 = export(trained_dir, tmp_path / "dense.q8_0.gguf", "q8_0").path
+    mcfg = ModelConfig(model=str(trained_dir), device="cpu")
+    ok = run(mcfg, DATA, FidelityConfig(), {"q8_0": q8}, tmp_path / "r1", runtime_dense=f32).runtime_agreement
+    assert ok["agree"] and ok["ratio"] == pytest.approx(1.0, abs=1e-3) and ok["runtime"] == "llama.cpp"
+    assert ok["windows"] == 2 * 4 and set(ok["domains"]) == {"wikipedia", "code", "fiction", "techdoc"}
+    res = run(mcfg, DATA, FidelityConfig(runtime_ppl_tolerance=1e-7), {"q8_0": q8}, tmp_path / "r2", runtime_dense=q8)
+    bad = res.runtime_agreement
+    assert not bad["agree"] and bad["ratio"] != 1.0 and "q8_0" in res.candidates
+    assert any("DISAGREE" in n for n in res.notes) and "**PyTorch and llama.cpp DISAGREE" in markdown(res.to_dict())
