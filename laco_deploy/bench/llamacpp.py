@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from laco_deploy.bench.harness import physical_cores
+from laco_deploy.bench.llamacpp_log import route_native_logs
 from laco_deploy.bench.llamacpp_probe import extra_buffers_work, model_params
 from laco_deploy.errors import ConfigError, RuntimeBackendError
 from laco_deploy.targets import GGUF
@@ -56,6 +57,7 @@ class LlamaCppRunner:
             import llama_cpp
         except ImportError as e:
             raise RuntimeBackendError("llama.cpp needs llama-cpp-python: pip install llama-cpp-python") from e
+        route_native_logs()  # llama.cpp's warnings into logging, not straight onto the terminal
         self.threads = threads or physical_cores()
         self.n_ctx = n_ctx
         self.extra_buffers = extra_buffers_work() if extra_buffers is None else extra_buffers

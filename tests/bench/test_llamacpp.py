@@ -123,3 +123,21 @@ def test_cli_bench_run(ggufs, tmp_path, cli):
     bad.write_bytes(b"junk")
     code, _, err = cli("bench", "run", f"bad={bad}", "--runtime", "llama.cpp")
     assert code == 2 and "not a GGUF file" in err
+
+
+def test_llama_cpp_warnings_go_to_logging_not_the_terminal(tiny_gemma3_dir, tmp_path, capfd, caplog):
+    """A Gemma 3 model makes llama.cpp warn `using full-size SWA cache`; llama-cpp-python's own
+    callback put it on stderr (its level table is older than llama.cpp's). Routed, it is an INFO
+    record of the `llama_cpp` logger: in the build log, not on the terminal."""
+    import logging
+
+    from exporters.gguf import export
+    from laco_deploy.bench.llamacpp import LlamaCppRunner
+
+    path = export(tiny_gemma3_dir, tmp_path / "g3.f32.gguf", "f32").path
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="llama_cpp"):
+        LlamaCppRunner(path, threads=1, n_ctx=32).close()
+    assert "SWA" not in capfd.readouterr().err
+    swa = [r for r in caplog.records if r.name == "llama_cpp" and "full-size SWA cache" in r.message]
+    assert swa and all(r.levelno == logging.INFO for r in swa)
