@@ -81,6 +81,8 @@ def _evaluate_one(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, model) -> 
     from lm_eval.models.huggingface import HFLM
 
     with _quiet_harness():
+        # add_bos_token left unset: contexts are encoded with the tokenizer's own special tokens (BOS where
+        # it adds one), as data.py's samples are
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.task_batch_size)
         for task in tasks.task_dict["tasks"].values():
             task.set_config(key="num_fewshot", value=0)
