@@ -77,7 +77,10 @@ def _on(model, device: torch.device):
 
 @torch.no_grad()
 def _final_hidden(model, ids: torch.Tensor, device: torch.device, batch_size: int) -> torch.Tensor:
-    """The model's last hidden states after its final norm, on CPU. ids [n, seq] -> [n, seq, hidden]."""
+    """The model's last hidden states after its final norm, on CPU. ids [n, seq] -> [n, seq, hidden].
+    n may be 0: under torchrun a rank can hold none of the held-out samples."""
+    if not len(ids):
+        return torch.empty(0)
     with _on(model, device):
         out = [model.model(input_ids=chunk.to(device), use_cache=False).last_hidden_state.float().cpu()
                for chunk in ids.split(batch_size)]
