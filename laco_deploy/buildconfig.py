@@ -128,6 +128,17 @@ def _quant_aware_default(cfg: BuildConfig, given: bool) -> BuildConfig:
     (47.8 -> 52.6, benchmarks/RESULTS.md frontier), so structured builds keep it off."""
     comp = cfg.compensate
     qa = TARGETS[cfg.export.target].quant_aware_default(cfg.export.resolved_quant)
+    if cfg.export.imatrix is not None and (comp.quant_aware is not None or (qa is not None and not given)):
+        # QA-LaCo's fake quantizers are llama.cpp's reference ones; with an importance matrix llama.cpp
+        # searches other grids, so the exported weights would not be those LaCo trained through
+        if given:
+            log.warning("compensate.quant_aware %s trains through llama.cpp's unweighted quantizer, but export.imatrix "
+                        "quantizes with importance weighting: the exported grid differs from the trained one",
+                        comp.quant_aware)
+            return cfg
+        log.info("quantization-aware LaCo stays off: export.imatrix quantizes with importance weighting, which its "
+                 "fake quantizers do not model")
+        return cfg
     if given or qa is None or comp.method != "laco" or comp.trainable != "weights" or cfg.prune.structured:
         return cfg
     log.info("quantization-aware LaCo on (compensate.quant_aware %s, the default for %s %s builds: measured to lower the "
