@@ -195,3 +195,33 @@ def test_quantize_tool_location_and_missing_cmake(cache_dir, monkeypatch, tmp_pa
     monkeypatch.setattr(llama_tools.shutil, "which", lambda _name: None)
     with pytest.raises(ExportError, match="needs cmake"):
         llama_tools.build_quantize()
+
+
+def test_structured_model_gets_its_own_widths(wide_llama_dir, wide_imatrix, tmp_path):
+    """Per-layer widths (written as deci): each entry has its layer's input width, and the dense
+    model's matrix is refused by the pruned one."""
+    from laco_deploy.models import load_model
+    from laco_deploy.structured import WIDTHS_KEY, shrink_layer
+
+    widths = [{"intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2},
+              {"intermediate_size": 512, "num_attention_heads": 2, "num_key_value_heads": 1}]
+    loaded = load_model(str(wide_llama_dir))
+    for layer, w in zip(loaded.model.model.layers, widths):
+        old = {n: m.weight.detach().clone() for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        shrink_layer(layer, w, 64)
+        with torch.no_grad():
+            for n, m in layer.named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.copy_(old[n][: m.weight.shape[0], : m.weight.shape[1]])
+    setattr(loaded.model.config, WIDTHS_KEY, widths)
+    src = tmp_path / "structured"
+    loaded.model.save_pretrained(src, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(src)
+    res = compute(src, DATA, tmp_path / "s.imatrix.gguf")
+    values = gguf_imatrix.read(res.path).values
+    assert values["blk.0.ffn_down.weight"].size == 256 and values["blk.1.ffn_down.weight"].size == 512
+    assert values["blk.1.attn_output.weight"].size == 128 and values["blk.1.attn_q.weight"].size == 256
+    out = export(src, tmp_path / "s.q4_k_m.gguf", "q4_k_m", imatrix=res.path)
+    assert out.checks["architecture"] == "deci" and any("14 weights importance-weighted" in n for n in out.notes)
+    with pytest.raises(ExportError, match="blk.0.ffn_down.weight has 512 values but the model's tensor has 256"):
+        export(src, tmp_path / "d.q4_k_m.gguf", "q4_k_m", imatrix=wide_imatrix.path)
