@@ -225,3 +225,26 @@ def test_structured_model_gets_its_own_widths(wide_llama_dir, wide_imatrix, tmp_
     assert out.checks["architecture"] == "deci" and any("14 weights importance-weighted" in n for n in out.notes)
     with pytest.raises(ExportError, match="blk.0.ffn_down.weight has 512 values but the model's tensor has 256"):
         export(src, tmp_path / "d.q4_k_m.gguf", "q4_k_m", imatrix=wide_imatrix.path)
+
+
+@pytest.mark.parametrize("quant", ["q3_k_m", "q2_k"])
+def test_ggml_row_quantizer_reproduces_the_export(wide_llama_dir, wide_imatrix, tmp_path, quant):
+    """llama.cpp's row quantizer through ctypes gives the exported bytes of every quantized tensor, with the
+    importance matrix where it has an entry: the exact quantizer a quantization-aware step can train through."""
+    from exporters import ggml_quants, gguf_model
+
+    path = export(wide_llama_dir, tmp_path / f"m.{quant}.gguf", quant, imatrix=wide_imatrix.path).path
+    imp = gguf_imatrix.read(wide_imatrix.path).values
+    plan = gguf_model.plan_model(gguf_model.read_config(wide_llama_dir))
+    entries = {e.name: e for e in gguf_model.tensor_entries(wide_llama_dir, plan)}
+    checked = 0
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            continue
+        w = gguf_model.read_tensor(entries[t.name])
+        assert ggml_quants.quantize(w, t.tensor_type, imp.get(t.name)) == np.asarray(t.data).tobytes(), t.name
+        checked += 1
+    assert checked == 15  # 14 weighted matrices and the embeddings
+    w = gguf_model.read_tensor(entries["blk.0.ffn_up.weight"])
+    q = ggml_quants.fake_quantize(w, gguf.GGMLQuantizationType.Q3_K, imp["blk.0.ffn_up.weight"])
+    assert q.shape == w.shape and 0 < np.abs(q - w).max() < np.abs(w).max()
