@@ -118,3 +118,47 @@ def test_measure_stage_takes_only_built_models_and_builds_nothing(tmp_path, monk
     args = SimpleNamespace(work=tmp_path, samples=8, epochs=1, comp_samples=8)
     dirs = bench.build_models(specs, args, {}, tmp_path / "dense", build=False)
     assert dirs == {F.DENSE: tmp_path / "dense", "s30-ffn": done}
+
+
+def test_export_cell_passes_the_imatrix_and_redoes_an_export_older_than_it(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier_bench.py"
+    spec = importlib.util.spec_from_file_location("frontier_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+
+    class Fake:
+        name = "gguf"
+
+        @staticmethod
+        def artifact_name(stem, quant):
+            return f"{stem}.{quant}.gguf"
+
+        @staticmethod
+        def export(src, dest, quant, imatrix=None):
+            calls.append(imatrix)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(b"x")
+            return SimpleNamespace(size_bytes=1, wall_s=0.0)
+
+    monkeypatch.setattr(bench.F, "target_of", lambda q: Fake)
+    model = tmp_path / "dense"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"")
+    imat = tmp_path / "dense.imatrix.gguf"
+    imat.write_bytes(b"")
+    os.utime(model / "model.safetensors", (1, 1))
+    os.utime(imat, (2, 2))
+    args = SimpleNamespace(work=tmp_path / "w")
+    path = bench.export_cell(F.DENSE_IMATRIX, "q3_k_m", model, args, {}, imat)
+    assert path.name == "dense-imatrix.q3_k_m.gguf" and calls == [imat]
+    bench.export_cell(F.DENSE_IMATRIX, "q3_k_m", model, args, {}, imat)
+    assert len(calls) == 1  # newer than weights and matrix: reused
+    os.utime(path, (1.5, 1.5))  # older than the matrix
+    bench.export_cell(F.DENSE_IMATRIX, "q3_k_m", model, args, {}, imat)
+    assert calls == [imat, imat]
