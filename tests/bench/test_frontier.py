@@ -90,17 +90,24 @@ def test_report_has_table_plot_and_goals():
     assert "data:image/png;base64," in page and "settings line" in page and "<td>s30-all</td>" in page
 
 
-def test_measure_stage_takes_only_built_models_and_builds_nothing(tmp_path, monkeypatch):
-    """`frontier_bench.py --stage measure` beside a `--stage build` process: finished models only."""
-    import importlib
+def _bench_script():
+    """benchmarks/frontier_bench.py as a module (benchmarks/ is not a package)."""
     import importlib.util
     from pathlib import Path
-    from types import SimpleNamespace
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier_bench.py"
     spec = importlib.util.spec_from_file_location("frontier_bench", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_measure_stage_takes_only_built_models_and_builds_nothing(tmp_path, monkeypatch):
+    """`frontier_bench.py --stage measure` beside a `--stage build` process: finished models only."""
+    import importlib
+    from types import SimpleNamespace
+
+    bench = _bench_script()
 
     def never(*a, **k):
         raise AssertionError("the measure stage must not build")
@@ -121,15 +128,10 @@ def test_measure_stage_takes_only_built_models_and_builds_nothing(tmp_path, monk
 
 
 def test_export_cell_passes_the_imatrix_and_redoes_an_export_older_than_it(tmp_path, monkeypatch):
-    import importlib.util
     import os
-    from pathlib import Path
     from types import SimpleNamespace
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier_bench.py"
-    spec = importlib.util.spec_from_file_location("frontier_bench", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_script()
     calls = []
 
     class Fake:
