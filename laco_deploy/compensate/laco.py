@@ -166,6 +166,10 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     its record is `guard.record` (None where it could not run: a streamed model)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
+    if cfg.batch_size is None:  # a caller other than the stage: steps by device, as the stage sizes them
+        n_train = input_ids.shape[0] - kl_samples
+        cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),
+                         memplan.weight_bytes(sparse_model), devices.traits(device), needs_dense_layer(cfg)).apply(cfg)
     mark_folder(checkpoint_dir)  # marked as ours: a rerun may resume or clear it
     skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
             if kl_samples else None)

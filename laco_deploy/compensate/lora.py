@@ -162,6 +162,12 @@ def compensate(model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: t
                device: torch.device, seed: int) -> tuple[Any, dict[str, Any]]:
     """LoRA-train `model` (sparse, on CPU) and merge under the mask. Returns (model on CPU, record)."""
     model.requires_grad_(False)
+    if cfg.batch_size is None:  # a caller other than the stage: steps by device, as the stage sizes them
+        from laco_deploy import memplan
+        from laco_deploy.compensate import steps
+
+        n = input_ids.shape[0] - int(input_ids.shape[0] * cfg.val_fraction)
+        cfg = steps.plan(cfg, input_ids.shape[1], n, memplan.weight_bytes(model), devices.traits(device)).apply(cfg)
     peft_model = attach_lora(model, cfg, targets, seed)
     record = train_lora(peft_model, input_ids, cfg, device, seed)
     merged, stats = merge_under_mask(peft_model)
