@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8, help="evaluation windows of the protocol check (default 8)")
     p.add_argument("--seqlen", type=int, default=256, help="tokens per window (default 256)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads (default 2)")
+    p.add_argument("--no-protocol", action="store_true", help="skip the protocol check (1.)")
     p.add_argument("--build", type=Path, help="also run a Wanda 50%% + LaCo build into this folder")
     p.add_argument("--samples", type=int, default=64, help="build: LaCo walk samples (default 64; the CPU default is 256)")
     p.add_argument("--kl-samples", type=int, default=64, help="build: final KL pass samples (default 64)")
@@ -62,11 +63,15 @@ def bare_windows(tokenizer, windows: int, seqlen: int) -> torch.Tensor:
     return torch.tensor(ids[: windows * seqlen]).view(windows, seqlen)
 
 
-def perplexity(logits: list[torch.Tensor], windows: torch.Tensor) -> float:
+def nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token NLL of one window [seq - 1]: only these are kept (Gemma's logits are 268 MB a window)."""
     from laco_deploy.fidelity.metrics import next_token_nll
 
-    nll = torch.cat([next_token_nll(lg, ids) for lg, ids in zip(logits, windows)])
-    return math.exp(float(nll.double().mean()))
+    return next_token_nll(logits, ids).double()
+
+
+def perplexity(nlls: list[torch.Tensor]) -> float:
+    return math.exp(float(torch.cat(nlls).mean()))
 
 
 @torch.no_grad()
@@ -83,13 +88,12 @@ def protocol_check(model: str, gguf: Path, windows: int, seqlen: int, threads: i
     cuts = {"bos": evaluation_windows(tokenizer, "builtin", windows, seqlen), "bare": bare_windows(tokenizer, windows, seqlen)}
     out: dict = {"sample_format": sample_format(tokenizer), "windows": windows, "seqlen": seqlen}
     t0 = time.perf_counter()
-    torch_logits = {k: [model_logits(model_dir, w, torch.device("cpu")) for w in ids] for k, ids in cuts.items()}
+    torch_nll = {k: [nll(model_logits(model_dir, w, torch.device("cpu")), w) for w in ids] for k, ids in cuts.items()}
     out["torch_s"] = round(time.perf_counter() - t0, 1)
     runner = LlamaCppRunner(gguf, threads=threads, n_ctx=max(seqlen, 16))
     try:
         for cut, ids in cuts.items():
-            rt = [runner.logits(w) for w in ids]
-            pt, pr = perplexity(torch_logits[cut], ids), perplexity(rt, ids)
+            pt, pr = perplexity(torch_nll[cut]), perplexity([nll(runner.logits(w), w) for w in ids])
             out[cut] = {"ppl_torch": pt, "ppl_llama_cpp": pr, "ratio_torch_over_runtime": pt / pr,
                         "first_tokens": ids[:, 0].tolist()}
             log.info("%s windows: PyTorch ppl %.3f, llama.cpp %.3f (ratio %.3f)", cut, pt, pr, pt / pr)
@@ -131,8 +135,10 @@ def main() -> None:
     from laco_deploy.models import default_gguf_path
 
     gguf = default_gguf_path() if args.model == "default" else Path(args.model)
-    result: dict = {"model": args.model, "protocol": protocol_check(args.model, gguf, args.windows, args.seqlen, args.threads)}
-    write_json(args.out, result)
+    result: dict = {"model": args.model}
+    if not args.no_protocol:
+        result["protocol"] = protocol_check(args.model, gguf, args.windows, args.seqlen, args.threads)
+        write_json(args.out, result)
     if args.build is not None:
         result["build"] = run_build(args)
         write_json(args.out, result)
