@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from laco_deploy.config import PRUNABLE_LINEARS
+from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig
 from laco_deploy.errors import ModelError
 from laco_deploy.engine.forward import HEAD_BLOCK_BYTES
 from laco_deploy.memory import proc_bytes
@@ -31,6 +31,7 @@ PROCESS_BYTES = {"prune": 460 * MIB, "compensate": 455 * MIB, "export": 575 * MI
 LLAMA_CPP_BYTES = 40 * MIB  # llama.cpp's buffers besides the weights and the logits
 Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 tensor (32 int8 + an fp16 scale)
 KL_CHUNK_ROWS = 16  # fidelity.metrics computes log-softmax in float64 chunks of this many rows
+KL_CHUNK_TOKENS = 32  # the final KL pass makes its logits this many tokens at a time (compensate/klpass.py)
 
 
 def skeleton_of(path: Path, trust_remote_code: bool = False):
@@ -58,7 +59,9 @@ def weight_bytes(model) -> dict[str, int]:
     head = 0 if tied else model.lm_head.weight.numel() * FP32
     total = sum(p.numel() for p in model.parameters()) * FP32  # tied weights counted once
     widths = [layer.mlp.down_proj.in_features for layer in decoder_layers(model)]
-    return {"layers": sum(layers), "layer_max": max(layers, default=0), "linear_max": max(linears, default=0),
+    dims = sum(sum(lin.weight.shape) + (lin.bias.numel() if lin.bias is not None else 0)
+               for layer in decoder_layers(model) for lin in linear_modules(layer, PRUNABLE_LINEARS).values())
+    return {"linear_dims": dims * FP32, "layers": sum(layers), "layer_max": max(layers, default=0), "linear_max": max(linears, default=0),
             "embed": embed, "head": head, "total": total, "num_layers": len(layers),
             "hidden": int(model.config.hidden_size), "vocab": int(model.config.vocab_size),
             "ffn_max": max(widths, default=0)}
@@ -82,7 +85,7 @@ class Workload:
     seqlen: int  # prune samples and evaluation windows
     prune_batch: int
     prune_offload: str  # cpu: the model resident | disk: layers streamed
-    compensate_samples: int  # LaCo, after the budget (compensate/budget.py): the walk's + the final pass's
+    compensate_samples: int  # LaCo, after the budget (compensate/budget.py): the walk's
     compensate_seqlen: int
     compensate_batch: int
     compensate_offload: str
@@ -93,6 +96,8 @@ class Workload:
     compensate_dense_twin: bool = False  # the LaCo step runs the dense twin (subblock loss, lsq init)
     compensate_final_kl: bool = False  # the whole-model KL pass after the walk (compensate/distill.py)
     compensate_final_kl_batch: int | None = None  # that pass's samples per step (None: compensate_batch)
+    compensate_kl_samples: int = 0  # its samples (fresh ones, after the walk's)
+    compensate_kl_optimizer: str = CompensateConfig.final_kl_optimizer
 
     @classmethod
     def of_build(cls, cfg, device, w: dict[str, int] | None = None) -> Workload:
@@ -108,13 +113,12 @@ class Workload:
         step = steps.plan(cfg.compensate, budget.seqlen, budget.samples, w, devices.traits(device),
                           needs_dense_layer(cfg.compensate))
         return cls(cfg.data.samples, cfg.data.seqlen, cfg.prune.batch_size, cfg.prune.offload,
-                   budget.samples + budget.kl_samples,
-                   budget.seqlen, step.batch_size, cfg.compensate.offload,
+                   budget.samples, budget.seqlen, step.batch_size, cfg.compensate.offload,
                    cfg.data.eval_samples * len(eval_specs(cfg.data.eval)),
                    1 + (cfg.compensate.method != "none"), 1,
                    compensate_dense_twin=needs_dense_layer(cfg.compensate),
-                   compensate_final_kl=cfg.compensate.method == "laco" and cfg.compensate.final_kl_epochs > 0,
-                   compensate_final_kl_batch=step.final_kl_batch_size)
+                   compensate_final_kl=budget.kl_samples > 0, compensate_final_kl_batch=step.final_kl_batch_size,
+                   compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer)
 
 
 @dataclass(frozen=True)
@@ -148,25 +152,55 @@ def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
     work = {"scores": 3 * w["linear_max"], "batch": _layer_batch(w, job.prune_batch * job.seqlen)}
     process = {"process": PROCESS_BYTES["prune"]}
     if job.prune_offload != "disk":
-        return _stage("prune", {"layers": {**process, "weights": w["total"], "activations": 2 * cache, **work}},
+        return _stage("prune", {"layers": {**process, "weights": w["total"], "activations": cache, **work}},
                       {"layer": w["layer_max"], **work})
     # streamed: the embedding only while the samples are embedded, one layer at a time, then the save
     return _stage("prune", {"embed": {**process, "embedding": w["embed"], "activations": cache},
-                            "layers": {**process, "layer": w["layer_max"], "activations": 2 * cache, **work},
+                            "layers": {**process, "layer": w["layer_max"], "activations": cache, **work},
                             "save": {**process, "tensor": max(w["layer_max"], _largest_rest(w))}},
                   {"layer": w["layer_max"], **work})
 
 
-def final_kl_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
-    """What the final KL pass (compensate/distill.py) adds to the resident pruned model: AdamW's
-    moments of every decoder layer (each gradient is freed as soon as its weight has stepped), the
-    largest layer's gradients, the masks (a byte per weight), the half-precision copies autocast
-    keeps of every weight for the backward, student and teacher logits with their softmax and
-    gradient (~12 copies, measured), and the activations the backward keeps in every layer.
-    Default build: 3.0 GiB estimated for the compensate stage, 3304 MiB measured."""
+def final_kl_terms(w: dict[str, int], tokens: int, optimizer: str) -> dict[str, int]:
+    """What the final KL pass (compensate/distill.py, klpass.py) adds to the model it trains: the
+    optimizer's state (Adafactor: out + in numbers per matrix; AdamW: two moments per weight), the
+    masks as bits, every layer's input for one batch of `tokens`, one layer's training (its
+    gradients, autocast's half-precision copies, the recomputed activations) and the logits of one
+    chunk of tokens with their softmax and gradient (~12 fp32 copies)."""
+    state = 2 * w["layers"] if optimizer == "adamw" else w["linear_dims"]
+    return {"optimizer": state, "masks": w["layers"] // (8 * FP32),
+            "layer inputs": w["num_layers"] * tokens * w["hidden"] * FP32,
+            "layer training": w["layer_max"] + w["layer_max"] // 2 + 2 * _layer_batch(w, tokens),
+            "logits": 12 * KL_CHUNK_TOKENS * w["vocab"] * FP32}
+
+
+def final_kl_device_bytes(w: dict[str, int], tokens: int, optimizer: str) -> int:
+    """Device bytes of the final KL pass's step: one layer, the final norm and head, and its terms."""
+    return w["layer_max"] + _largest_rest(w) + sum(final_kl_terms(w, tokens, optimizer).values())
+
+
+def whole_model_terms(w: dict[str, int], tokens: int) -> dict[str, int]:
+    """What training the whole resident model in one autograd graph adds to its weights (the LoRA
+    baseline's step, sized like the former whole-model KL pass: 3304 MiB measured for it on the
+    default build): AdamW-sized state, the largest layer's gradients, a byte per weight, autocast's
+    half-precision copies of every weight, ~12 fp32 copies of the logits and every layer's activations."""
     return {"adam": 2 * w["layers"], "grads": w["layer_max"], "masks": w["layers"] // FP32,
             "autocast copies": (w["layers"] + _largest_rest(w)) // 2,
             "logits": 12 * tokens * w["vocab"] * FP32, "batch": w["num_layers"] * _layer_batch(w, tokens)}
+
+
+def _final_kl_phases(w: dict[str, int], job: Workload, process: dict[str, int]) -> dict[str, dict[str, int]]:
+    """The pass's phases: the dense twin walked alone over its samples (two caches, one layer), then
+    the pass (its samples' embeddings and the teacher). A streamed model holds one layer and the head."""
+    kl_cache = job.compensate_kl_samples * job.compensate_seqlen * w["hidden"] * FP32
+    model = ({"pruned model": w["total"]} if job.compensate_offload != "disk" else
+             {"layer": w["layer_max"], "norm + head": _largest_rest(w)})
+    tokens = (job.compensate_final_kl_batch or job.compensate_batch) * job.compensate_seqlen
+    teacher = {**process, **model, "dense layer": w["layer_max"], "activations": kl_cache,
+               "batch": _layer_batch(w, job.compensate_batch * job.compensate_seqlen)}
+    train = {**process, **model, "pass caches": 2 * kl_cache,
+             **final_kl_terms(w, tokens, job.compensate_kl_optimizer)}
+    return {"final KL teacher": teacher, "final KL": train}
 
 
 def layer_step_terms(w: dict[str, int], tokens: int, dense_twin: bool) -> dict[str, int]:
@@ -180,7 +214,7 @@ def layer_step_terms(w: dict[str, int], tokens: int, dense_twin: bool) -> dict[s
 
 
 def activation_cache_bytes(w: dict[str, int], samples: int, seqlen: int) -> int:
-    """One activation cache of the walk: [samples, seqlen, hidden] fp32 (the walk keeps four)."""
+    """One activation cache of the walk: [samples, seqlen, hidden] fp32 (the walk keeps two or three)."""
     return samples * seqlen * w["hidden"] * FP32
 
 
@@ -189,16 +223,16 @@ def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     train = layer_step_terms(w, job.compensate_batch * job.compensate_seqlen, job.compensate_dense_twin)
     process = {"process": PROCESS_BYTES["compensate"]}
     device = {"layer": w["layer_max"], **train}
+    # each layer's outputs overwrite its inputs (engine.walk): one sparse cache, one dense cache, and
+    # the dense inputs besides where the step reads them
+    activations = (3 if job.compensate_dense_twin else 2) * cache
+    final = _final_kl_phases(w, job, process) if job.compensate_final_kl else {}
     if job.compensate_offload != "disk":
-        phases = {"layers": {**process, "pruned model": w["total"], "activations": 4 * cache, **train}}
-        if job.compensate_final_kl:  # the walk's last dense cache is the teacher
-            phases["final KL"] = {**process, "pruned model": w["total"], "teacher": cache,
-                                  **final_kl_terms(w, (job.compensate_final_kl_batch or job.compensate_batch)
-                                                   * job.compensate_seqlen)}
-        return _stage("compensate", phases, device)
+        return _stage("compensate", {"layers": {**process, "pruned model": w["total"], "activations": activations, **train},
+                                     **final}, device)
     return _stage("compensate", {"embed": {**process, "embedding": w["embed"], "activations": cache},
-                                 "layers": {**process, "layer": w["layer_max"], "activations": 4 * cache, **train},
-                                 "save": {**process, "tensor": max(w["layer_max"], _largest_rest(w))}}, device)
+                                 "layers": {**process, "layer": w["layer_max"], "activations": activations, **train},
+                                 "save": {**process, "tensor": max(w["layer_max"], _largest_rest(w))}, **final}, device)
 
 
 def estimate_export(w: dict[str, int], job: Workload) -> StageEstimate:

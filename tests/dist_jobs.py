@@ -17,7 +17,7 @@ from pathlib import Path
 # fp32: 2 ranks equal 1 process up to the order of float sums; under bf16 autocast (auto on CPUs with
 # native bf16) that order noise is amplified by bf16 rounding to the size of the tiny model's update.
 # The final KL pass is off in BASE (the options are the walk's) and on in "final_kl": its 4 fresh
-# samples follow the walk's 8, so the walk's still straddle both ranks and the pass's sit on rank 1.
+# samples follow the walk's 8 and are shared by the ranks as the walk's are (2 each).
 BASE = {"samples": 8, "epochs": 2, "batch_size": 3, "lr": 1e-3, "val_fraction": 0.25, "precision": "fp32",
         "final_kl_epochs": 0}
 OPTIONS = {

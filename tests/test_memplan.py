@@ -60,15 +60,18 @@ def test_estimates_move_with_the_settings(tiny_llama_dir):
 
 def test_final_kl_pass_adds_its_training_state(tiny_llama_dir):
     w = model_bytes(tiny_llama_dir)
-    few = {"compensate_samples": 1, "compensate_offload": "cpu"}  # the walk's caches small: the pass is the peak
+    few = {"compensate_samples": 1, "compensate_offload": "cpu", "compensate_kl_samples": 4}
     off = {e.stage: e for e in estimate_build(w, _job(compensate_final_kl=False, **few))}
-    on = {e.stage: e for e in estimate_build(w, _job(compensate_final_kl=True, **few))}
-    assert on["compensate"].host_bytes > off["compensate"].host_bytes + 2 * w["layers"]
-    assert on["compensate"].terms["adam"] == 2 * w["layers"]
-    streamed = {e.stage: e for e in estimate_build(w, _job(compensate_final_kl=True, compensate_offload="disk"))}
-    assert "adam" not in streamed["compensate"].terms  # skipped when the model streams
+    on = {e.stage: e for e in estimate_build(w, _job(compensate_final_kl=True, compensate_kl_optimizer="adafactor", **few))}
+    adamw = {e.stage: e for e in estimate_build(w, _job(compensate_final_kl=True, compensate_kl_optimizer="adamw", **few))}
+    assert on["compensate"].host_bytes > off["compensate"].host_bytes
+    assert on["compensate"].terms["optimizer"] == w["linear_dims"] < w["layers"] // 8  # factored: rows + columns
+    assert adamw["compensate"].terms["optimizer"] == 2 * w["layers"]
+    streamed = {e.stage: e for e in estimate_build(w, _job(compensate_final_kl=True, **{**few, "compensate_offload": "disk"}))}
+    assert "norm + head" in streamed["compensate"].terms and "pruned model" not in streamed["compensate"].terms
     cfg = BuildConfig()
-    assert Workload.of_build(cfg, torch.device("cpu")).compensate_final_kl
+    job = Workload.of_build(cfg, torch.device("cpu"))
+    assert job.compensate_final_kl and job.compensate_kl_samples == cfg.compensate.cpu_samples
     cfg = dataclasses.replace(cfg, compensate=dataclasses.replace(cfg.compensate, final_kl_epochs=0))
     assert not Workload.of_build(cfg, torch.device("cpu")).compensate_final_kl
 
@@ -77,9 +80,9 @@ def test_build_workload_follows_the_config():
     job = Workload.of_build(BuildConfig(), torch.device("cpu"))
     cfg = BuildConfig()
     assert job.calib_samples == cfg.data.samples and job.seqlen == cfg.data.seqlen
-    assert job.compensate_samples == 2 * cfg.compensate.cpu_samples  # the walk's + the final KL pass's fresh ones
+    assert job.compensate_samples == cfg.compensate.cpu_samples  # the walk's (the pass's are compensate_kl_samples)
     assert job.eval_windows == cfg.data.eval_samples * 4  # builtin + three shipped domains
-    assert Workload.of_build(cfg, torch.device("cuda")).compensate_samples == 2 * cfg.compensate.gpu_samples
+    assert Workload.of_build(cfg, torch.device("cuda")).compensate_samples == cfg.compensate.gpu_samples
 
 
 def test_plan_command(cli, tiny_llama_dir):

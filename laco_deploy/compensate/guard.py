@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from laco_deploy import distributed, families
-from laco_deploy.compensate.distill import kl_to_teacher, logits_from_hidden
+from laco_deploy.compensate.klpass import head_logits, kl_to_teacher
 from laco_deploy.engine.cache import ActivationCache
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,9 @@ class ModelGuard:
         with torch.no_grad(), _on(model, device):
             recovered = _final_hidden(model, input_ids[rows], device, batch_size)
             for j in range(len(rows)):  # one sample at a time: [seq, vocab] logits are large
-                dense = logits_from_hidden(model, teacher.rows(rows[j:j + 1], device), softcap, norm=True)
+                dense = head_logits(model, teacher.rows(rows[j:j + 1], device), softcap, norm=True)
                 for k, hidden in enumerate((self.pruned, recovered)):
-                    student = logits_from_hidden(model, hidden[j:j + 1].to(device), softcap, norm=False)
+                    student = head_logits(model, hidden[j:j + 1].to(device), softcap, norm=False)
                     sums[k] += float(kl_to_teacher(student, dense))
         kl_pruned, kl_recovered = (s / max(1, n_global) for s in distributed.all_reduce_floats(sums))
         kept = kl_recovered < kl_pruned

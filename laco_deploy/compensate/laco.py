@@ -5,8 +5,8 @@ inputs (outputs of the already compensated layers 0..l-1) and the dense twin's o
 dense inputs. The layer is trained to reproduce those outputs (train.LayerTrainer), then the
 engine propagates its new outputs as the next layer's inputs and checkpoints it. Only the layer
 and its dense twin are on the device; activations stay in CPU RAM or on disk. Then, unless
-compensate.final_kl_epochs is 0, a short pass trains the whole model on the dense logits of samples
-the walk carried through the layers but never trained on (distill.py).
+compensate.final_kl_epochs is 0, a short pass trains the whole model on the dense logits of fresh
+samples the walk never saw, their dense teacher walked on the dense path alone (distill.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,9 +114,10 @@ def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfi
 
 
 def needs_dense_layer(cfg: CompensateConfig) -> bool:
-    """Whether the step runs the dense twin itself (the sub-block loss, the least-squares refit);
-    otherwise it only reads the twin's outputs and a streamed twin leaves memory before training."""
-    return cfg.loss == "subblock" or cfg.init == "lsq"
+    """Whether the step runs the dense twin itself (the sub-block loss, the least-squares refit) or
+    reads its inputs (dense_input_mix); otherwise it only reads the twin's outputs, a streamed twin
+    leaves memory before training and the outputs overwrite the inputs (walk_layers)."""
+    return cfg.loss == "subblock" or cfg.init == "lsq" or cfg.dense_input_mix > 0
 
 
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
@@ -159,9 +161,9 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
                dense_loader: LayerLoader | None = None, kl_samples: int = 0,
                guard: ModelGuard | None = None) -> tuple[list[dict], dict | None]:
     """Run LaCo over all layers of `sparse_model` in place, then the final KL pass. input_ids [n, seq]:
-    the walk trains on the first n - kl_samples, the pass on the last kl_samples (the walk only carries
-    them through the layers). Returns (per-layer records, the final pass's record or None).
-    `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy).
+    the walk trains on the first n - kl_samples, the pass on the last kl_samples (their dense teacher
+    is walked after the walk, on the dense path only). Returns (per-layer records, the final pass's
+    record or None). `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy).
     `guard`: compares the result with the pruned model on held-out samples at the end (guard.py);
     its record is `guard.record` (None where it could not run: a streamed model)."""
     for m in (dense_model, sparse_model):
@@ -178,12 +180,12 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     if skip is not None:
         log.warning("the final KL pass on the dense logits is skipped: %s (set compensate.final_kl_epochs 0 "
                     "to silence this)", skip)
-        input_ids, kl_samples = input_ids[: input_ids.shape[0] - kl_samples], 0
+        kl_samples = 0
     walk_samples = input_ids.shape[0] - kl_samples
-    # torchrun: each rank embeds and walks its own shard; the splits are over all samples
-    shard = distributed.shard(input_ids.shape[0])
-    inputs = capture_inputs(sparse_model, layer_loader, input_ids[shard.start:shard.stop], device, cfg.offload,
-                            checkpoint_dir)
+    # torchrun: each rank embeds and walks its own shard of the walk's samples (and of the pass's)
+    shard = distributed.shard(walk_samples)
+    walk_ids = input_ids[shard.start:shard.stop]
+    inputs = capture_inputs(sparse_model, layer_loader, walk_ids, device, cfg.offload, checkpoint_dir)
     if steps.fits_on_device(memplan.weight_bytes(sparse_model), cfg, len(inputs.hidden), input_ids.shape[1],
                             devices.traits(device), needs_dense_layer(cfg)):
         inputs.hidden.place(device)  # the walk's caches are made like it: no batch crosses the bus
@@ -193,18 +195,19 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     if scratch is not None:
         scratch.mkdir(parents=True, exist_ok=True)
     step = make_step(cfg, targets, split, seed, meter, shard, scratch)
-    local_ids = input_ids[shard.start:shard.stop]
-    held = _held_out(split, walk_samples, kl_samples, cfg, seed)
-    if guard is not None and (layer_loader is not None or not len(held)):
+    kl_ids = input_ids[walk_samples:]
+    held = _Held.of(walk_ids, shard, split, kl_ids, cfg, seed)
+    if guard is not None and (layer_loader is not None or not len(held.idx)):
         log.info("the model-level guard against the pruned model is off: %s",
                  "the model is streamed from disk" if layer_loader is not None else "no held-out samples")
         guard = None
     if guard is not None:
-        guard.capture(sparse_model, local_ids, shard.local(held), device, cfg.batch_size)
+        guard.capture(sparse_model, held.ids, held.rows, device, cfg.batch_size)
     # propagation (dense targets, next layer's inputs) in bf16 where training is: fp16's range can
     # overflow on the outlier activations of large models, so an fp16 run propagates in fp32
     propagate = torch.bfloat16 if amp_dtype(device, cfg.precision) is torch.bfloat16 else None
-    last_dense = distill.LastDense(len(decoder_layers(sparse_model)))
+    # the guard's teacher without a pass: the walk's last dense outputs (with one: the pass's teacher)
+    last_dense = distill.LastDense(len(decoder_layers(sparse_model))) if guard is not None and not kl_samples else None
     checkpoints = LayerCheckpoints(checkpoint_dir, fingerprint, resume)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
@@ -214,30 +217,56 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
                               dense=Lane(dense_model, loader=dense_loader), checkpoints=checkpoints,
                               dense_in_step=needs_dense_layer(cfg), on_layer_done=last_dense)
         del inputs
-        final = _final_pass(sparse_model, local_ids, last_dense, cfg, targets, walk_samples, kl_samples, device, seed,
-                            shard, meter, checkpoints) if kl_samples else None
-    if guard is not None and last_dense.hidden is not None:
-        guard.check(sparse_model, local_ids, shard.local(held), len(held), last_dense.hidden, device, cfg.batch_size)
+        final, teacher = None, (last_dense.hidden if last_dense is not None else None)
+        if kl_samples:
+            final, teacher = _final_pass(dense_model, sparse_model, kl_ids, cfg, targets, device=device, seed=seed,
+                                         meter=meter, checkpoints=checkpoints, layer_loader=layer_loader,
+                                         dense_loader=dense_loader, propagate=propagate, workdir=checkpoint_dir)
+    if guard is not None and teacher is not None:
+        guard.check(sparse_model, held.ids, held.rows, len(held.idx), teacher, device, cfg.batch_size)
     return records, final
 
 
-def _held_out(split, walk_samples: int, kl_samples: int, cfg: CompensateConfig, seed: int) -> torch.Tensor:
-    """Global indices of the samples nothing trains on: the final pass's held-out share, else the walk's."""
-    if kl_samples:
-        return walk_samples + split_indices(kl_samples, cfg.val_fraction, seed)[1]
-    return split[1]
+@dataclass(frozen=True)
+class _Held:
+    """The samples nothing trains on, which the guard scores: the final pass's held-out share (its
+    teacher holds them), else the walk's. idx: global indices; ids: this rank's samples of that set
+    [local n, seq]; rows: the local rows of idx in ids."""
+
+    idx: torch.Tensor
+    ids: torch.Tensor
+    rows: torch.Tensor
+
+    @classmethod
+    def of(cls, walk_ids: torch.Tensor, shard: distributed.Shard, split, kl_ids: torch.Tensor,
+           cfg: CompensateConfig, seed: int) -> _Held:
+        if not len(kl_ids):
+            return cls(split[1], walk_ids, shard.local(split[1]))
+        kl_shard = distributed.shard(len(kl_ids))
+        idx = split_indices(len(kl_ids), cfg.val_fraction, seed)[1]
+        return cls(idx, kl_ids[kl_shard.start:kl_shard.stop], kl_shard.local(idx))
 
 
-def _final_pass(model, local_ids, last_dense, cfg, targets, walk_samples, kl_samples, device, seed, shard, meter,
-                checkpoints) -> dict:
-    fresh = tuple(walk_samples + idx for idx in split_indices(kl_samples, cfg.val_fraction, seed))
+def _final_pass(dense_model, sparse_model, kl_ids: torch.Tensor, cfg: CompensateConfig, targets: tuple[str, ...], *,
+                device: torch.device, seed: int, meter: SegmentMeter, checkpoints: LayerCheckpoints, layer_loader,
+                dense_loader, propagate: torch.dtype | None, workdir: Path) -> tuple[dict, ActivationCache]:
+    """The dense teacher of the pass's samples kl_ids [n, seq] (the dense twin walked alone), then the
+    pass (distill.py), measured as a segment of its own. Each rank holds its shard of those samples.
+    Returns (the pass's record, the teacher)."""
+    shard = distributed.shard(kl_ids.shape[0])
+    mine = kl_ids[shard.start:shard.stop]
     meter.next()  # its own segment: measure() below resets the peak counter
     with measure(device) as m:
-        final = distill.final_kl(
-            model, local_ids, last_dense.hidden, cfg, targets, fresh, device=device, seed=seed, shard=shard,
-            restore=lambda: [checkpoints.reload(i, layer) for i, layer in enumerate(decoder_layers(model))])
+        teacher = distill.dense_teacher(dense_model, dense_loader,
+                                        capture_inputs(sparse_model, layer_loader, mine, device, cfg.offload, workdir),
+                                        device, cfg.batch_size, propagate)
+        inputs = capture_inputs(sparse_model, layer_loader, mine, device, cfg.offload, workdir)
+        fresh = split_indices(kl_ids.shape[0], cfg.val_fraction, seed)
+        final = distill.final_kl(sparse_model, inputs.hidden, teacher, cfg, targets, fresh, device=device,
+                                 kwargs=inputs.kwargs_per_layer(len(decoder_layers(sparse_model)), device), seed=seed,
+                                 shard=shard, restore=checkpoints.reload, loader=layer_loader)
     final.update({"peak_mib": round(m.peak_bytes / 2**20, 1), "peak_delta_mib": round(m.peak_delta_bytes / 2**20, 1),
                   "memory_kind": m.kind})
     log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s, +%.0f MiB)",
              final["kl_before"], final["kl_after"], final["steps"], final["train_s"], final["peak_delta_mib"])
-    return final
+    return final, teacher

@@ -6,8 +6,8 @@ took 8.5 ms, almost all of it launching kernels and Python, so the walk ran 9 mi
 arithmetic needs seconds. So on an accelerator, unless compensate.batch_size is set, a step takes
 about `gpu_tokens_per_step` tokens: the largest power-of-two batch up to that which
 - fits the memory the device has free (a share of it: `memory_share`), as memplan sizes the layer
-  step (the walk), or the whole model's step (the LoRA baseline; the final KL pass gets its own
-  batch, as its logits over the vocabulary are the largest term), and
+  step (the walk), the whole model's step (the LoRA baseline), or the final KL pass's (its own
+  batch: one layer at a time, but its logits over the vocabulary), and
 - still leaves `MIN_STEPS_PER_EPOCH` updates per epoch.
 Fewer, larger steps get a larger learning rate: lr, final_kl_lr and lora_lr scale by
 sqrt(batch / cpu_batch_size), the square-root rule for Adam (the noise of a gradient averaged over
@@ -48,9 +48,9 @@ def layer_step_bytes(w: dict[str, int], tokens: int, dense_twin: bool) -> int:
 
 
 def whole_model_bytes(w: dict[str, int], tokens: int) -> int:
-    """Device bytes of a step of the whole model (final KL pass, LoRA): weights, their training
-    state, activations of every layer and the logits."""
-    return w["total"] + sum(memplan.final_kl_terms(w, tokens).values())
+    """Device bytes of a step of the whole model (LoRA): weights, their training state, activations
+    of every layer and the logits."""
+    return w["total"] + sum(memplan.whole_model_terms(w, tokens).values())
 
 
 def _largest_batch(cap: int, seqlen: int, need, room: int | None) -> int:
@@ -79,7 +79,7 @@ def plan(cfg: CompensateConfig, seqlen: int, train_samples: int, w: dict[str, in
     else:
         batch = _largest_batch(cap, seqlen, lambda t: layer_step_bytes(w, t, dense_twin), room)
     if final is None:
-        final = _largest_batch(cap, seqlen, lambda t: whole_model_bytes(w, t), room)
+        final = _largest_batch(cap, seqlen, lambda t: memplan.final_kl_device_bytes(w, t, cfg.final_kl_optimizer), room)
     scale, final_scale = math.sqrt(batch / cfg.cpu_batch_size), math.sqrt(final / cfg.cpu_batch_size)
     fits = f" within {cfg.memory_share:.0%} of {traits.free_bytes / 2**30:.1f} GiB free" if room is not None else ""
     return StepPlan(batch, final, scale, final_scale,
@@ -90,9 +90,10 @@ def plan(cfg: CompensateConfig, seqlen: int, train_samples: int, w: dict[str, in
 
 def fits_on_device(w: dict[str, int], cfg: CompensateConfig, samples: int, seqlen: int, traits: Traits,
                    dense_twin: bool = False) -> bool:
-    """Whether the walk's four activation caches stay on the device next to the layer step."""
+    """Whether the walk's activation caches (two, or three where the step reads the dense inputs:
+    engine.walk) stay on the device next to the layer step."""
     if not (cfg.device_caches and traits.accelerator) or traits.free_bytes is None or cfg.offload != "cpu":
         return False
-    need = 4 * memplan.activation_cache_bytes(w, samples, seqlen) + layer_step_bytes(w, cfg.batch_size * seqlen,
-                                                                                      dense_twin)
+    caches = (3 if dense_twin else 2) * memplan.activation_cache_bytes(w, samples, seqlen)
+    need = caches + layer_step_bytes(w, cfg.batch_size * seqlen, dense_twin)
     return need <= cfg.memory_share * traits.free_bytes

@@ -59,11 +59,12 @@ def open_dense(model_cfg: ModelConfig) -> tuple[Any, LazyModel | None]:
 
 def resolve_offload(cfg: CompensateConfig, sparse_dir: Path, tokens: int) -> CompensateConfig:
     """`cfg`, with offload "disk" when the pruned model and the activations of `tokens` calibration
-    tokens (sparse and dense path, inputs and outputs: 4 caches) would not fit in RAM."""
+    tokens (sparse and dense path, the dense one's inputs too where the step reads them: at most
+    3 caches, each layer's outputs overwriting its inputs) would not fit in RAM."""
     if cfg.offload == "disk" or cfg.method != "laco":
         return cfg
     size = model_bytes(sparse_dir)
-    need, free = size["total"] + 4 * tokens * size["hidden"] * FP32, available_bytes()
+    need, free = size["total"] + 3 * tokens * size["hidden"] * FP32, available_bytes()
     if free is None or need <= RAM_SHARE * free:
         return cfg
     log.info("compensate: the pruned model and its activations need about %.1f GiB but %.1f GiB of RAM is available; "

@@ -118,7 +118,8 @@ def walk_layers(
     `on_layer_done(i, record, sparse_out, dense_out)` sees each layer's outputs (fidelity curves).
     With `checkpoints`, each finished layer is saved, and on resume restored instead of stepped.
     `dense_in_step=False`: the step reads the dense targets only, so a streamed dense twin is released
-    as soon as they are computed (one layer less in memory while the step runs; ctx.dense_layer None).
+    as soon as they are computed (one layer less in memory while the step runs; ctx.dense_layer None)
+    and they overwrite the dense inputs (ctx.dense_inputs None): one dense cache instead of two.
     """
     if paths is Paths.BOTH and dense is None:
         raise ValueError("Paths.BOTH needs a dense lane")
@@ -139,7 +140,11 @@ def walk_layers(
             dense_in.copy_from(sparse_in)  # both paths start from the same embeddings
         else:
             dense_in = dense.inputs.hidden
-    sparse_out, dense_out = sparse_in.clone_empty(), (dense_in.clone_empty() if dense_in is not None else None)
+    # each layer's outputs overwrite its inputs batch by batch (rows are independent): one cache per
+    # path, not two; the dense path's inputs only where the step reads them (dense_in_step)
+    dense_in_place = dense_in is not None and not dense_in_step
+    sparse_out = sparse_in
+    dense_out = (dense_in if dense_in_place else dense_in.clone_empty()) if dense_in is not None else None
     records: list[dict] = []
     bar = progress_bar(range(len(layers)), desc=opts.desc or "layers", unit="layer")
     for i in bar:
@@ -150,8 +155,9 @@ def walk_layers(
             dense.loader.load(i, dense_layers[i])
         layer = layers[i].to(device)
         dense_layer = dense_layers[i].to(device) if dense is not None else None
-        ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs[i], device, opts.batch_size, dense_layer, dense_in,
-                           dense_out, progress=lambda s: set_status(bar, s), autocast=opts.autocast)
+        ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs[i], device, opts.batch_size, dense_layer,
+                           None if dense_in_place else dense_in, dense_out, progress=lambda s: set_status(bar, s),
+                           autocast=opts.autocast)
         if dense_layer is not None:
             ctx.run(dense_layer, dense_in, dense_out)
             if not dense_in_step and dense.loader is not None:
@@ -174,8 +180,7 @@ def walk_layers(
             dense_layers[i].to("cpu")
             if dense.loader is not None:
                 dense.loader.release(i, dense_layers[i])
-        sparse_in, sparse_out = sparse_out, sparse_in
-        if dense_in is not None:
+        if dense_in is not None and not dense_in_place:
             dense_in, dense_out = dense_out, dense_in
     bar.close()
     return records

@@ -1,6 +1,7 @@
-"""The final KL pass after the LaCo walk (compensate/distill.py): its teacher equals the dense
-model's logits, it lowers the KL to the dense model, keeps the mask, resumes exactly, and is
-skipped with a reason where it cannot run."""
+"""The final KL pass after the LaCo walk (compensate/distill.py, klpass.py): its teacher equals the
+dense model's logits, it lowers the KL to the dense model, keeps the mask, resumes exactly, equals a
+plain whole-model pass, runs streamed from disk like in RAM, and is skipped with a reason where its
+memory is short."""
 
 from __future__ import annotations
 
@@ -8,19 +9,20 @@ import pytest
 import torch
 from test_laco import DATA, _assert_same_pattern, _cfg, _Killed, _mean_kl, _weights
 
-from laco_deploy.compensate import distill, laco, run
+from laco_deploy.compensate import distill, klpass, run
 from laco_deploy.config import ModelConfig
 from laco_deploy.data import calibration_samples
 from laco_deploy.models import load_model
 
 
 def test_teacher_is_the_dense_models_logits(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
-    """The walk's last dense hidden states through the pruned model's head give the dense logits."""
+    """The dense twin's last hidden states of the pass's samples, through the pruned model's head,
+    give the dense logits; the pass's embeddings are those samples'."""
     seen = {}
 
-    def capture(model, input_ids, teacher, *a, **kw):
-        seen["logits"] = distill.logits_from_hidden(model, teacher.data.clone(), None)
-        seen["ids"] = input_ids.clone()
+    def capture(model, inputs, teacher, *a, **kw):
+        seen["logits"] = klpass.head_logits(model, teacher.data.clone(), None)
+        seen["embeddings"] = inputs.data.clone()
         return {"kl_before": 0.0, "kl_after": 0.0, "steps": 0, "train_s": 0.0, "kept": True}
 
     monkeypatch.setattr(distill, "final_kl", capture)
@@ -28,11 +30,13 @@ def test_teacher_is_the_dense_models_logits(tiny_llama_dir, sparse_unstructured_
         sparse_unstructured_dir, tmp_path / "out")
     dense = load_model(str(tiny_llama_dir))
     # the walk's 16 samples, then 16 fresh ones for the pass, one draw of the same seed
-    assert torch.equal(seen["ids"], calibration_samples(dense.tokenizer, DATA.calib, 32, DATA.seqlen, DATA.seed))
-    assert torch.equal(seen["ids"][:16], calibration_samples(dense.tokenizer, DATA.calib, 16, DATA.seqlen, DATA.seed))
+    ids = calibration_samples(dense.tokenizer, DATA.calib, 32, DATA.seqlen, DATA.seed)
+    assert torch.equal(ids[:16], calibration_samples(dense.tokenizer, DATA.calib, 16, DATA.seqlen, DATA.seed))
     with torch.no_grad():
-        ref = dense.model(seen["ids"], use_cache=False).logits
+        ref = dense.model(ids[16:], use_cache=False).logits
+        embedded = dense.model.model.embed_tokens(ids[16:])
     assert torch.allclose(seen["logits"], ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(seen["embeddings"], embedded)
 
 
 def test_pass_lowers_kl_and_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
@@ -64,30 +68,48 @@ def test_structured_model_keeps_its_shapes_and_never_leaves_worse(tiny_llama_dir
 
 
 def test_resume_in_the_pass_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
-    mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=1, final_kl_epochs=2, final_kl_lr=1e-3)
+    """Killed in the middle of the pass (after some updates), the resumed run ends on the same weights."""
+    mcfg = ModelConfig(model=str(tiny_llama_dir))
+    ccfg = _cfg(epochs=1, final_kl_epochs=2, final_kl_lr=1e-2, final_kl_optimizer="adafactor")
     run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "full")
-    real = distill.final_kl
+    real, calls = klpass.LayerStack.backward, []
 
-    def die(*a, **kw):
-        raise _Killed("simulated kill during the final pass")
+    def die_at_third(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise _Killed("simulated kill during the final pass")
+        return real(self, *a, **kw)
 
-    monkeypatch.setattr(distill, "final_kl", die)
+    monkeypatch.setattr(klpass.LayerStack, "backward", die_at_third)
     with pytest.raises(_Killed):
         run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed")
     assert not (tmp_path / "resumed").exists()  # no output that looks complete
-    monkeypatch.setattr(distill, "final_kl", real)
+    monkeypatch.setattr(klpass.LayerStack, "backward", real)
     run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed", resume=True)
     full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
+def test_streamed_from_disk_equals_in_ram(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
+    """--offload disk: the pass runs (no longer skipped) and trains the same weights as in RAM."""
+    mcfg = ModelConfig(model=str(tiny_llama_dir))
+    kw = {"epochs": 1, "final_kl_epochs": 2, "final_kl_lr": 1e-2, "final_kl_optimizer": "adafactor"}
+    ram = run(mcfg, DATA, _cfg(**kw), sparse_unstructured_dir, tmp_path / "ram")
+    disk = run(mcfg, DATA, _cfg(offload="disk", **kw), sparse_unstructured_dir, tmp_path / "disk")
+    assert disk.settings["final_kl"]["steps"] == ram.settings["final_kl"]["steps"] == 8
+    assert disk.settings["final_kl"]["kl_after"] < disk.settings["final_kl"]["kl_before"]
+    a, b = _weights(tmp_path / "ram"), _weights(tmp_path / "disk")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _assert_same_pattern(sparse_unstructured_dir, tmp_path / "disk")
+
+
 def test_skipped_with_a_reason(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch, caplog):
     sparse = load_model(str(sparse_unstructured_dir)).model
     cfg, cpu = _cfg(final_kl_epochs=1), torch.device("cpu")
-    assert "streamed" in distill.skip_reason(sparse, cfg, 32, cpu, streamed=True)
-    monkeypatch.setattr(distill.memplan, "available_bytes", lambda: 2**20)
+    assert distill.skip_reason(sparse, cfg, 32, cpu, streamed=True) is None
+    monkeypatch.setattr(distill.memplan, "available_bytes", lambda: 2**10)
     reason = distill.skip_reason(sparse, cfg, 32, cpu, streamed=False)
-    assert reason is not None and "GiB" in reason
+    assert reason is not None and "GiB" in reason and cfg.final_kl_optimizer in reason
     res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, final_kl_epochs=1), sparse_unstructured_dir,
               tmp_path / "out")
     assert "final_kl" not in res.settings
@@ -95,8 +117,9 @@ def test_skipped_with_a_reason(tiny_llama_dir, sparse_unstructured_dir, tmp_path
 
 
 def test_invalid_values_are_reported():
-    errs = _cfg(final_kl_epochs=-1).validate() + _cfg(final_kl_lr=0.0).validate()
-    assert len(errs) == 2 and all("final_kl" in e for e in errs)
+    errs = (_cfg(final_kl_epochs=-1).validate() + _cfg(final_kl_lr=0.0).validate()
+            + _cfg(final_kl_optimizer="sgd").validate())
+    assert len(errs) == 3 and all("final_kl" in e for e in errs)
 
 
 def test_quant_aware_pass_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
