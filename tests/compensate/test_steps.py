@@ -73,14 +73,14 @@ def test_an_h200_takes_steps_of_the_target_tokens(smollm2):
 @pytest.mark.parametrize("free_gib", [2, 8, 24, 139])
 def test_batches_are_the_largest_that_fit(smollm2, tinyllama, free_gib):
     """Each batch fits its share of the free memory and twice it would not (unless capped at the
-    target tokens); the final pass, whose logits dominate, never takes more than the walk."""
+    target tokens); the final pass (one layer at a time, its optimizer state) never takes more than the walk."""
     cfg = CompensateConfig()
     room = cfg.memory_share * free_gib * GIB
     cap = cfg.gpu_tokens_per_step // PAPER["seqlen"]
     for w in (smollm2, tinyllama):
         p = steps.plan(cfg, w=w, traits=gpu(free_gib), **PAPER)
         for batch, need in ((p.batch_size, lambda t: steps.layer_step_bytes(w, t, False)),
-                            (p.final_kl_batch_size, lambda t: steps.whole_model_bytes(w, t))):
+                            (p.final_kl_batch_size, lambda t: memplan.final_kl_device_bytes(w, t, cfg.final_kl_optimizer))):
             tokens = batch * PAPER["seqlen"]
             assert batch == 1 or need(tokens) <= room
             assert batch == cap or need(2 * tokens) > room
@@ -88,13 +88,16 @@ def test_batches_are_the_largest_that_fit(smollm2, tinyllama, free_gib):
 
 
 def test_memory_decides_on_a_small_gpu(smollm2, tinyllama):
-    """On 8 GiB the default model's final pass (logits over 49,152 words) drops to batch 2 while the
-    walk keeps 64; the 1.1B shape's walk drops to 32 and its pass, which cannot fit at all, to 1
-    (distill.skip_reason then skips it, saying why)."""
+    """On 8 GiB the default model's final pass takes the walk's 64 (it holds one layer at a time and
+    makes its logits 32 tokens at a time); the 1.1B shape's walk drops to 32 and its pass to 1 with
+    AdamW, whose moments (7.7 GiB) cannot fit (distill.skip_reason then skips it, saying why), or 16
+    with Adafactor's factored state."""
     small = steps.plan(CompensateConfig(), w=smollm2, traits=gpu(8), **PAPER)
-    assert (small.batch_size, small.final_kl_batch_size) == (64, 2)
-    big = steps.plan(CompensateConfig(), w=tinyllama, traits=gpu(8), **PAPER)
+    assert (small.batch_size, small.final_kl_batch_size) == (64, 64)
+    big = steps.plan(CompensateConfig(final_kl_optimizer="adamw"), w=tinyllama, traits=gpu(8), **PAPER)
     assert (big.batch_size, big.final_kl_batch_size) == (32, 1)
+    factored = steps.plan(CompensateConfig(final_kl_optimizer="adafactor"), w=tinyllama, traits=gpu(8), **PAPER)
+    assert (factored.batch_size, factored.final_kl_batch_size) == (32, 16)
     lora = steps.plan(CompensateConfig(method="lora"), w=smollm2, traits=gpu(8), **PAPER)
     assert lora.batch_size == 2  # LoRA's step is the whole model's
 
@@ -111,7 +114,7 @@ def test_unknown_capacity_follows_the_target_tokens():
 
 def test_activation_caches_stay_on_the_device_when_they_fit(smollm2, tinyllama):
     cfg = CompensateConfig(batch_size=64)
-    assert steps.fits_on_device(smollm2, cfg, 4096, 256, gpu(139))  # 4 caches of 4,096 x 256 x 576 fp32: 4.5 GiB
+    assert steps.fits_on_device(smollm2, cfg, 4096, 256, gpu(139))  # 2 caches of 4,096 x 256 x 576 fp32: 2.3 GiB
     assert not steps.fits_on_device(smollm2, cfg, 4096, 256, gpu(8))
     assert not steps.fits_on_device(tinyllama, cfg, 4096, 256, gpu(24))  # 16 GiB of caches
     assert not steps.fits_on_device(smollm2, dataclasses.replace(cfg, offload="disk"), 4096, 256, gpu(139))
@@ -122,7 +125,7 @@ def test_activation_caches_stay_on_the_device_when_they_fit(smollm2, tinyllama):
 def test_the_memory_plan_uses_the_planned_steps(smollm2, monkeypatch):
     monkeypatch.setattr(devices, "traits", lambda _d: gpu(8))
     job = memplan.Workload.of_build(BuildConfig(), torch.device("cuda"), smollm2)
-    assert (job.compensate_batch, job.compensate_final_kl_batch) == (64, 2)
+    assert (job.compensate_batch, job.compensate_final_kl_batch) == (64, 64)
     monkeypatch.undo()
     cpu = memplan.Workload.of_build(BuildConfig(), torch.device("cpu"))
     assert cpu.compensate_batch == CompensateConfig.cpu_batch_size
