@@ -59,8 +59,10 @@ def test_build_takes_tasks_from_flags_and_the_config_file(cli):
     cfg = merge({"fidelity": {"tasks": [SAMPLE], "task_batch_size": 4}}, {})
     assert cfg.fidelity.tasks == (SAMPLE,) and cfg.fidelity.task_batch_size == 4
     assert merge({}, {}).fidelity.tasks == ()  # no zero-shot by default
+    # YAML text for a list setting reads as comma-separated names, as the flag does
+    assert merge({"fidelity": {"tasks": f"{SAMPLE}, arc_easy"}}, {}).fidelity.tasks == (SAMPLE, "arc_easy")
     with pytest.raises(ConfigError, match="fidelity.tasks"):
-        merge({"fidelity": {"tasks": SAMPLE}}, {})  # a bare string is not a list of tasks
+        merge({"fidelity": {"tasks": [SAMPLE, 3]}}, {})  # a list of names only
     code, out, _ = cli("build", "--help")
     assert code == 0 and "--tasks" in out and "--task-limit" in out
 
