@@ -159,8 +159,11 @@ def big_shape(t: Table, a, b: dict, w: Path) -> None:
                     256 if b["shape"] != "tiny" else b["seqlen"], w, goal=True)
 
 
+LLAMACPP_IMPORTS = ["llama_cpp", "gguf"]  # Python packages the llama.cpp row imports
+
+
 def runtimes(t: Table, a, w: Path) -> None:
-    missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
+    missing = [m for m in LLAMACPP_IMPORTS if importlib.util.find_spec(m) is None]
     if missing:
         t.add("llama.cpp runtime", None, 0, f"not installed: {', '.join(missing)} (pip install llama-cpp-python gguf)")
     elif not (w / "laco" / "config.json").is_file() or t.left() < 60:
