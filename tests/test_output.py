@@ -22,7 +22,7 @@ from laco_deploy.cli import output
 from laco_deploy.cli.output import Verbosity
 
 # Every `desc=` given to laco_deploy.progress.progress_bar / library_bar; the layer walk prefixes "layer i/n ".
-OUR_BARS = {"prune", "LaCo", "final KL pass", "owl outliers", "layers", "fidelity", "llama.cpp bench",
+OUR_BARS = {"prune", "LaCo", "final KL pass", "dense teacher", "owl outliers", "layers", "fidelity", "llama.cpp bench",
             "onnxruntime bench", "converting GGUF", "parity check"}
 BAR = re.compile(r"^(?:layer \d+/\d+ )?(?P<desc>.+?): +\d+%\|")
 RECORD = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ (?P<level>[A-Z]+) (?P<name>[\w.]+): (?P<message>.*)$")
