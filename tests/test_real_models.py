@@ -7,10 +7,11 @@ with --build, prune + LaCo; these tests pin the protocol part.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests import tiny
 
 pytestmark = pytest.mark.slow
 TOLERANCE = 0.10  # the goal: dense PyTorch perplexity within 10% of llama.cpp's
@@ -18,11 +19,7 @@ WINDOWS, SEQLEN = 4, 256
 
 
 def _check():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "real_model_check.py"
-    spec = importlib.util.spec_from_file_location("real_model_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return tiny.benchmark_script("real_model_check")
 
 
 def test_default_model_torch_agrees_with_llama_cpp():

@@ -153,3 +153,14 @@ def save_tiny(model, tokenizer, path: Path) -> Path:
 
         shutil.copy(sp_model, path / "tokenizer.model")
     return path
+
+
+def benchmark_script(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -2,6 +2,8 @@
 
 import pytest
 
+from tests import tiny
+
 from laco_deploy.bench import frontier as F
 from laco_deploy.errors import ConfigError
 
@@ -91,15 +93,8 @@ def test_report_has_table_plot_and_goals():
 
 
 def _bench_script():
-    """benchmarks/frontier_bench.py as a module (benchmarks/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "frontier_bench.py"
-    spec = importlib.util.spec_from_file_location("frontier_bench", script)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    """benchmarks/frontier_bench.py as a module."""
+    return tiny.benchmark_script("frontier_bench")
 
 
 def test_measure_stage_takes_only_built_models_and_builds_nothing(tmp_path, monkeypatch):
