@@ -106,9 +106,9 @@ def export_all(dirs: dict[str, Path], types: list[str], work: Path) -> tuple[dic
 @torch.no_grad()
 def round_trip(dense: Path, files: dict[str, Path], windows: int, ctx: int) -> dict[str, dict]:
     """llama.cpp vs PyTorch on the same evaluation tokens, per GGUF type."""
-    from laco_deploy.bench.parity import logit_agreement
-    from laco_deploy.bench.llamacpp import LlamaCppRunner
-    from laco_deploy.bench.runner import TorchRunner
+    from laco_deploy.runtimes.parity import logit_agreement
+    from laco_deploy.runtimes.llamacpp import LlamaCppRunner
+    from laco_deploy.runtimes.runner import TorchRunner
     from laco_deploy.data import evaluation_windows
     from laco_deploy.models import load_model
 

@@ -77,7 +77,7 @@ def perplexity(nlls: list[torch.Tensor]) -> float:
 @torch.no_grad()
 def protocol_check(model: str, gguf: Path, windows: int, seqlen: int, threads: int) -> dict:
     """Dense PyTorch vs llama.cpp perplexity on the same windows, with and without the tokenizer's prefix."""
-    from laco_deploy.bench.llamacpp import LlamaCppRunner
+    from laco_deploy.runtimes.llamacpp import LlamaCppRunner
     from laco_deploy.data import evaluation_windows, sample_format
     from laco_deploy.engine.forward import model_logits
     from laco_deploy.models import local_model_dir, load_model

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 from laco_deploy.fsutil import write_json
-from laco_deploy.memplan import MIB, Workload, estimate_build, model_bytes
+from laco_deploy.memplan import Workload, estimate_build
+from laco_deploy.sizing import MIB, model_bytes
 
 log = logging.getLogger("scale_bench")
 

@@ -49,7 +49,7 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
 
     `metadata` (and config.json's `laco_deploy` dict) are recorded under `laco_deploy.*` keys.
     `check(model_dir, gguf_path) -> dict`: the runtime parity check (targets.GGUF passes
-    laco_deploy.bench.parity.gguf_parity); its results join the read-back checks.
+    laco_deploy.runtimes.parity.gguf_parity); its results join the read-back checks.
     `imatrix`: an importance-matrix file for llama.cpp's quantizer (the types it makes; others note it unused).
     """
     t0 = time.perf_counter()

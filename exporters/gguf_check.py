@@ -1,5 +1,5 @@
 """The check run right after a GGUF export that needs no runtime: read the file back with the
-gguf package. The llama.cpp-vs-PyTorch parity check is laco_deploy.bench.parity.gguf_parity."""
+gguf package. The llama.cpp-vs-PyTorch parity check is laco_deploy.runtimes.parity.gguf_parity."""
 
 from __future__ import annotations
 

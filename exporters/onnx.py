@@ -3,7 +3,7 @@
     export(model_dir, out_dir, "fp32" | "fp16" | "int8", sparse_storage=False, check=None) -> ExportResult
 
 The runtime check against PyTorch in onnxruntime is the caller's (`check=`, see
-laco_deploy.bench.parity.onnx_parity), so this module runs no model itself.
+laco_deploy.runtimes.parity.onnx_parity), so this module runs no model itself.
 
 The output folder is laid out like optimum's ONNX exports, so `ORTModelForCausalLM` can open it:
 
@@ -14,7 +14,7 @@ The output folder is laid out like optimum's ONNX exports, so `ORTModelForCausal
     genai_config.json        for onnxruntime-genai, where the model shape allows (exporters.onnx_genai)
 
 optimum-onnx requires transformers < 5, so the graph comes from torch.onnx (exporters.onnx_graph)
-with optimum's names; laco_deploy.bench.onnxrt.OrtDecoder is the matching generate loop.
+with optimum's names; laco_deploy.runtimes.onnxrt.OrtDecoder is the matching generate loop.
 Types: fp32; fp16 (weights, activations and the KV cache in half precision, logits fp16);
 int8 (MatMul weights in 8-bit blocks of 32 with an fp32 scale each, onnxruntime's MatMulNBits;
 embeddings, norms and the KV cache stay fp32; needs onnxruntime >= 1.22).
@@ -52,7 +52,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     """Export `model_dir` to the folder `out_dir` (written atomically).
 
     `check(model, tokenizer, folder) -> dict`: the runtime parity check, run on the finished folder
-    before it is renamed into place (targets.ONNX passes laco_deploy.bench.parity.onnx_parity)."""
+    before it is renamed into place (targets.ONNX passes laco_deploy.runtimes.parity.onnx_parity)."""
     t0 = time.perf_counter()
     model_dir, out_dir, quant = Path(model_dir), Path(out_dir), str(quant).lower()
     _check_request(model_dir, out_dir, quant)

@@ -8,7 +8,7 @@ the present tensors are the past concatenated with the new step, so the buffers 
 
 genai sizes one key/value cache for all layers, so a structured model whose layers keep different
 numbers of KV heads gets no genai_config.json (`genai_config` says why); different FFN widths are fine.
-Its parity check (greedy tokens equal to PyTorch's) is laco_deploy.bench.genai.genai_match.
+Its parity check (greedy tokens equal to PyTorch's) is laco_deploy.runtimes.genai.genai_match.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Layout of an export folder written with sparse storage:
                               the shapes, dtypes, fill values (0; 128 for 8-bit codes) and offsets
 
 Loading densifies: `external_initializers()` rebuilds the dense arrays in memory and
-laco_deploy.bench.onnxrt passes them to onnxruntime (`add_external_initializers`); any other
+laco_deploy.runtimes.onnxrt passes them to onnxruntime (`add_external_initializers`); any other
 loader (optimum, plain onnxruntime) needs `densify(folder)` first, which writes the missing
 `model.densified.bin`. onnxruntime runs dense kernels either way: smaller files, no speed-up.
 """

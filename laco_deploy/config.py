@@ -216,6 +216,13 @@ class CompensateConfig:
     # LaCo (256 x 128, builtin:mixed): same perplexity to 0.3% on every domain, see RESULTS.md
     precision: str = "auto"
 
+    @property
+    def needs_dense_layer(self) -> bool:
+        """Whether the LaCo step runs the dense twin itself (the sub-block loss, the least-squares refit)
+        or reads its inputs (dense_input_mix); else it reads only the twin's outputs, so a streamed twin
+        leaves memory before training and the outputs overwrite the inputs (engine.walk)."""
+        return self.loss == "subblock" or self.init == "lsq" or self.dense_input_mix > 0
+
     def validate(self) -> list[str]:
         errs = []
         if self.method not in ("laco", "lora", "none"):

@@ -13,6 +13,7 @@ import json
 import struct
 from pathlib import Path
 
+from laco_deploy import structured
 from laco_deploy.errors import ConfigError, ModelError
 
 CODE_CONFIGS = ("config.json", "tokenizer_config.json")  # where transformers looks for auto_map
@@ -81,9 +82,7 @@ def check_shapes(path: Path) -> None:
     """Every tensor in the safetensors files has the shape config.json gives it (a model built on
     `meta` from the config, so no weights are read): a mismatch is one line naming the tensor, not a
     library error minutes later or a broken export."""
-    from laco_deploy.memplan import skeleton_of
-
-    expected = {k: tuple(v.shape) for k, v in skeleton_of(path).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in structured.skeleton_of(path).state_dict().items()}
     for file in sorted(Path(path).glob("*.safetensors")):
         for name, shape in _header_shapes(file).items():
             if name in expected and shape != expected[name]:

@@ -122,3 +122,30 @@ def load_structured(path: Path, config: Any):
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+def skeleton(config) -> torch.nn.Module:
+    """The causal LM of `config` on `meta` (no memory), decoder layers at their per-layer widths."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if has_layer_widths(config):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        for layer, width in zip(model.model.layers, layer_widths(config)):
+            shrink_layer(layer, width, head_dim)
+    return model.eval()
+
+
+def skeleton_of(path: Path, trust_remote_code: bool = False):
+    """The causal LM of the HF directory `path` on `meta` (reads config.json only)."""
+    from transformers import AutoConfig
+
+    from laco_deploy.errors import ModelError
+
+    try:
+        config = AutoConfig.from_pretrained(Path(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # unreadable, or a model type only its own code defines
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot read {Path(path) / 'config.json'}: {first}") from e
+    return skeleton(config)

@@ -1,5 +1,12 @@
-"""No import circle in laco_deploy/ and exporters/: module-level imports only (imports inside
-functions are lazy by design), read from the source with ast so the test needs no heavy imports."""
+"""The floors of laco_deploy/ and exporters/, read from the source with ast (no heavy imports).
+
+Every import of a project module counts, in functions too (a lazy import still ties two modules;
+third-party imports may stay lazy). The graph has no circle, no module imports from a floor above
+its own, and docs/DESIGN.md's drawing of the floors is the one `floors_drawing()` makes from FLOORS
+(`python tests/test_import_graph.py` prints it). Entry points named as "module:attr" strings in
+targets.py are looked up at run time (a registry handing each stage its exporter or runner) and are
+not imports.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,22 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("laco_deploy", "exporters")
+D = "laco_deploy."
+
+# Bottom floor first. A module imports only from its own floor or those below; a name covers the
+# module and, for a package, everything in it. Every module must sit on exactly one floor.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("contracts", ("laco_deploy", D + "errors", D + "config", D + "presets", D + "targets", D + "artifacts",
+                   D + "families", D + "structured", D + "fsutil", D + "versions", D + "devices", D + "flops",
+                   D + "memory", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence")),
+    ("models", (D + "modelcheck", D + "models", D + "sizing")),
+    ("engine, exporters", (D + "engine", "exporters")),
+    ("runtimes", (D + "runtimes",)),
+    ("stages", (D + "prune", D + "compensate", D + "fidelity", D + "imatrix")),
+    ("benchmarks", (D + "bench",)),
+    ("build", (D + "buildconfig", D + "stagecache", D + "summary", D + "memplan", D + "pipeline_stages", D + "pipeline")),
+    ("cli", (D + "cli",)),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -15,53 +38,66 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _toplevel_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Imports run when the module is imported: module body, also under if/try (not in functions,
-    classes or `if TYPE_CHECKING:`)."""
-    found, todo = [], list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
-            todo += node.body + node.orelse
-        elif isinstance(node, ast.Try):
-            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
-    return found
+def _project_files() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def _targets(node: ast.Import | ast.ImportFrom, mod: str, is_pkg: bool, files: dict[str, Path]) -> list[str]:
+    """The project modules one import statement names (`from pkg import name`: pkg.name when that is
+    a module, else pkg; `import a.b.c` of an attribute: its module)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
+            anchor = anchor[: len(anchor) - node.level + 1]
+            base = ".".join(anchor + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+    out = []
+    for t in names:
+        while t and t not in files:
+            t = t.rpartition(".")[0]
+        if t:
+            out.append(t)
+    return out
 
 
 def import_graph() -> dict[str, set[str]]:
-    """module -> project modules it imports at import time. `from pkg import name` counts as an
-    import of pkg.name when that is a module, else of pkg; importing pkg.sub also runs pkg."""
-    files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    """module -> project modules it imports anywhere in its source (module body, functions, classes).
+    Importing a.b also runs a/__init__ first, unless the importer is inside a (already running)."""
+    files = _project_files()
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
-        is_pkg = path.name == "__init__.py"
         deps: set[str] = set()
-        for node in _toplevel_imports(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                base = node.module or ""
-                if node.level:
-                    anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                    anchor = anchor[: len(anchor) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            for t in targets:
-                while t and t not in files:  # `import a.b.c` of a non-module attribute: its module
-                    t = t.rpartition(".")[0]
-                if not t:
-                    continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for t in _targets(node, mod, path.name == "__init__.py", files):
                 deps.add(t)
                 parent = t.rpartition(".")[0]
-                while parent:  # importing a.b runs a/__init__ first, unless `mod` is inside a (already running)
+                while parent:
                     if parent in files and not (mod + ".").startswith(parent + "."):
                         deps.add(parent)
                     parent = parent.rpartition(".")[0]
         deps.discard(mod)
         graph[mod] = deps
     return graph
+
+
+def floor_of(mod: str) -> int:
+    """Index in FLOORS of the longest name covering `mod`; -1 when none does."""
+    best, floor = "", -1
+    for i, (_, names) in enumerate(FLOORS):
+        for name in names:
+            if (mod == name or mod.startswith(name + ".")) and len(name) > len(best):
+                best, floor = name, i
+    return floor
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({FLOORS[floor_of(m)][0]}) -> {t} ({FLOORS[floor_of(t)][0]})"
+                  for m, deps in graph.items() for t in deps if floor_of(t) > floor_of(m))
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -99,15 +135,54 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def floors_drawing() -> str:
+    """FLOORS as text, top floor first (what docs/DESIGN.md shows)."""
+    lines = []
+    for name, members in reversed(FLOORS):
+        short = [m.removeprefix(D) + ("/" if (ROOT / m.replace(".", "/") / "__init__.py").is_file() else "")
+                 for m in members if m != "laco_deploy"]
+        row = f"  {name:<18}|"
+        for word in short:
+            if len(row) + len(word) > 98:
+                lines.append(row.rstrip())
+                row = " " * 20 + "|"
+            row += f" {word}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def test_find_cycles_sees_a_circle():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_no_import_circle():
+def test_function_level_imports_are_read():
     graph = import_graph()
+    # cli/build_cmd.py imports pipeline inside its command function only
+    assert "laco_deploy.pipeline" in graph["laco_deploy.cli.build_cmd"]
     assert "laco_deploy.engine.walk" in graph and "exporters.gguf" in graph
-    assert find_cycles(graph) == []
+
+
+def test_no_import_circle():
+    assert find_cycles(import_graph()) == []
+
+
+def test_every_module_sits_on_one_floor():
+    assert sorted(m for m in import_graph() if floor_of(m) < 0) == []
+
+
+def test_upward_imports_are_seen():
+    assert upward_imports({D + "models": {D + "engine.walk"}, D + "engine.walk": {D + "models"}}) == [
+        "laco_deploy.models (models) -> laco_deploy.engine.walk (engine, exporters)"]
+
+
+def test_no_upward_import():
+    assert upward_imports(import_graph()) == []
+
+
+def test_design_notes_draw_these_floors():
+    design = (ROOT / "docs" / "DESIGN.md").read_text()
+    assert floors_drawing() in design, "re-draw the floors in docs/DESIGN.md: python tests/test_import_graph.py"
 
 
 # What exporters/ may use from laco_deploy: contracts, errors, files, format tables and the model
@@ -118,11 +193,11 @@ EXPORTER_MAY_IMPORT = {"laco_deploy", "laco_deploy.artifacts", "laco_deploy.erro
 
 
 def test_exporters_import_nothing_that_runs_models():
-    used = set()
-    for path in (ROOT / "exporters").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):  # function-level imports too
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            used |= {(path.name, n) for n in names if n.split(".")[0] == "laco_deploy"}
+    used = {(m, t) for m, deps in import_graph().items() if m.startswith("exporters")
+            for t in deps if t.split(".")[0] == "laco_deploy"}
     assert used, "the scan found no laco_deploy import at all"
-    assert sorted((f, n) for f, n in used if n not in EXPORTER_MAY_IMPORT) == []
+    assert sorted((m, t) for m, t in used if t not in EXPORTER_MAY_IMPORT) == []
+
+
+if __name__ == "__main__":
+    print(floors_drawing())

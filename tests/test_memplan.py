@@ -9,7 +9,8 @@ import json
 import torch
 
 from laco_deploy.config import BuildConfig
-from laco_deploy.memplan import FP32, Workload, estimate_build, model_bytes
+from laco_deploy.memplan import Workload, estimate_build
+from laco_deploy.sizing import FP32, model_bytes
 
 
 def test_weight_sizes_from_the_config(tiny_llama_dir, tiny_llama_untied_dir):

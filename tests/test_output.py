@@ -88,7 +88,7 @@ def test_build_log_keeps_everything(tmp_path, capsys, restore_logging):
 
 
 def test_ours_are_the_laco_deploy_and_exporters_loggers():
-    assert output.is_ours("laco_deploy") and output.is_ours("laco_deploy.bench.llamacpp_probe")
+    assert output.is_ours("laco_deploy") and output.is_ours("laco_deploy.runtimes.llamacpp_probe")
     assert output.is_ours("exporters.gguf")
     assert not output.is_ours("gguf.gguf_writer") and not output.is_ours("laco_deploy_extra") and not output.is_ours("py.warnings")
 

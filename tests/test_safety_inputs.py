@@ -184,7 +184,7 @@ def test_export_is_published_only_after_its_parity_check(cli, tiny_llama_dir, tm
     """Killed (or failing) during the llama.cpp check: no .gguf under the final name, no partial file."""
     def killed(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(importlib.import_module("laco_deploy.bench.parity"), "gguf_parity", killed)
+    monkeypatch.setattr(importlib.import_module("laco_deploy.runtimes.parity"), "gguf_parity", killed)
     out = tmp_path / "m.gguf"
     code, _, err = cli("export", "--model", tiny_llama_dir, "--quant", "f32", "--out", out)
     assert code == 130, err

@@ -29,38 +29,12 @@ import numpy as np
 from laco_deploy.artifacts import BenchResult
 from laco_deploy.config import BenchConfig, to_dict
 from laco_deploy.errors import ConfigError, RuntimeBackendError
+from laco_deploy.runtimes.cpu import cpu_name, physical_cores
 
 LACO_PREFIX = "laco_deploy."  # metadata keys written by our exporters (GGUF keys, ONNX metadata_props)
 
 
 # ---- CPU and process facts ---------------------------------------------------------------------
-
-
-def physical_cores() -> int:
-    """Physical cores this process may use (hyper-threads counted once, CPU affinity respected)."""
-    try:
-        pairs, phys = set(), None
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "physical id":
-                phys = value.strip()
-            elif key.strip() == "core id":
-                pairs.add((phys, value.strip()))
-        cores = len(pairs)
-    except OSError:
-        cores = 0
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, usable) if cores else usable)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def rss_mib(field: str) -> float:

@@ -15,10 +15,11 @@ import numpy as np
 
 from laco_deploy.artifacts import BenchResult
 from laco_deploy.bench import harness
-from laco_deploy.bench.llamacpp import LlamaCppRunner, check_gguf_file
-from laco_deploy.bench.llamacpp_probe import EXTRA_BUFFERS_NOTE, extra_buffers_work
 from laco_deploy.config import BenchConfig
 from laco_deploy.errors import ConfigError
+from laco_deploy.runtimes.cpu import physical_cores
+from laco_deploy.runtimes.llamacpp import LlamaCppRunner, check_gguf_file
+from laco_deploy.runtimes.llamacpp_probe import EXTRA_BUFFERS_NOTE, extra_buffers_work
 from laco_deploy.targets import GGUF
 
 MODULE = "laco_deploy.bench.llamacpp_bench"
@@ -103,7 +104,7 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
         check_gguf_file(Path(path))
     import llama_cpp
 
-    threads = cfg.threads or harness.physical_cores()
+    threads = cfg.threads or physical_cores()
     n_gpu_layers = _gpu_layers(device)
     extra_buffers = extra_buffers_work()
     job = {"text": harness.eval_text(eval_spec), "threads": threads, "n_gpu_layers": n_gpu_layers,

@@ -14,9 +14,10 @@ import numpy as np
 
 from laco_deploy.artifacts import BenchResult
 from laco_deploy.bench import harness
-from laco_deploy.bench.onnxrt import OrtDecoder, model_file, providers_for
 from laco_deploy.config import BenchConfig
 from laco_deploy.errors import RuntimeBackendError
+from laco_deploy.runtimes.cpu import physical_cores
+from laco_deploy.runtimes.onnxrt import OrtDecoder, model_file, providers_for
 from laco_deploy.targets import ONNX
 
 MODULE = "laco_deploy.bench.onnxrt_bench"
@@ -108,7 +109,7 @@ def run_benchmark(models: dict[str, Path], *, eval_spec: str, cfg: BenchConfig, 
     for path in models.values():
         model_file(Path(path))
     providers_for(device)  # a missing CUDA provider fails here, before any work
-    threads = cfg.threads or harness.physical_cores()
+    threads = cfg.threads or physical_cores()
 
     def job_for(path: Path) -> dict[str, Any]:
         return {"device": device, "threads": threads, "plan": eval_tokens(path, eval_spec, cfg)}

@@ -45,7 +45,8 @@ def plan_command(
     """
     import torch
 
-    from laco_deploy.memplan import Workload, estimate_build, model_bytes
+    from laco_deploy.memplan import Workload, estimate_build
+    from laco_deploy.sizing import model_bytes
     from laco_deploy.models import check_source, local_model_dir
 
     data = data_config(_D.calib, _D.eval, samples, seqlen, eval_samples, _D.seed)

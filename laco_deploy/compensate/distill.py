@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from laco_deploy import devices, distributed, families, memplan
+from laco_deploy import devices, distributed, families, sizing
 from laco_deploy.compensate.klpass import LayerStack, chunked_kl
 from laco_deploy.compensate.streamed import RAM_SHARE
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw
@@ -166,13 +166,13 @@ def pass_batch(cfg: CompensateConfig) -> int:
 
 def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device, streamed: bool) -> str | None:
     """Why the pass cannot run here (None: it can): its state beyond the walk's does not fit."""
-    w = memplan.weight_bytes(model)
+    w = sizing.weight_bytes(model)
     tokens = pass_batch(cfg) * seqlen
     free = devices.traits(device).free_bytes
     if free is not None:  # on the device: one layer and the head at a time, with the pass's terms
-        need = memplan.final_kl_device_bytes(w, tokens, cfg.final_kl_optimizer)
+        need = sizing.final_kl_device_bytes(w, tokens, cfg.final_kl_optimizer)
     else:
-        need, free = sum(memplan.final_kl_terms(w, tokens, cfg.final_kl_optimizer).values()), memplan.available_bytes()
+        need, free = sum(sizing.final_kl_terms(w, tokens, cfg.final_kl_optimizer).values()), sizing.available_bytes()
     if free is not None and need > RAM_SHARE * free:  # the share the pruned model may take in RAM
         return (f"it needs about {need / 2**30:.1f} GiB more memory ({cfg.final_kl_optimizer} state and one layer's "
                 f"training) and {max(free, 0) / 2**30:.1f} GiB is free")

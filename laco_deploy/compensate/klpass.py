@@ -3,7 +3,7 @@
 The whole pruned model trains at once, but it is never held as one autograd graph:
 - forward: decoder layer after decoder layer under no_grad, keeping only each layer's input
   ([batch, seq, hidden] per layer: 0.6 MiB at 2 x 128 tokens of width 576);
-- the KL to the dense logits on chunks of `memplan.KL_CHUNK_TOKENS` tokens, each chunk's logits made,
+- the KL to the dense logits on chunks of `sizing.KL_CHUNK_TOKENS` tokens, each chunk's logits made,
   compared and backpropagated to the last hidden state before the next (the full [tokens, vocab]
   logits, ~12 fp32 copies of them with softmax and gradient, are never alive together);
 - backward: layer after layer from the last, each recomputed from its saved input with grad
@@ -22,8 +22,8 @@ import torch
 
 from laco_deploy.engine.walk import call_layer
 from laco_deploy.memory import trim_heap
-from laco_deploy.memplan import KL_CHUNK_TOKENS
 from laco_deploy.models import decoder_layers
+from laco_deploy.sizing import KL_CHUNK_TOKENS
 
 
 class LayerStack:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from laco_deploy import devices, distributed, memplan
+from laco_deploy import devices, distributed, sizing
 from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.guard import ModelGuard
@@ -113,13 +113,6 @@ def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfi
     return before["nmse"], True
 
 
-def needs_dense_layer(cfg: CompensateConfig) -> bool:
-    """Whether the step runs the dense twin itself (the sub-block loss, the least-squares refit) or
-    reads its inputs (dense_input_mix); otherwise it only reads the twin's outputs, a streamed twin
-    leaves memory before training and the outputs overwrite the inputs (walk_layers)."""
-    return cfg.loss == "subblock" or cfg.init == "lsq" or cfg.dense_input_mix > 0
-
-
 def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor],
               seed: int, meter: SegmentMeter, shard: distributed.Shard | None = None, scratch: Path | None = None):
     """The per-layer step for walk_layers: fit the layer, return its record. `split` holds global
@@ -171,7 +164,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     if cfg.batch_size is None:  # a caller other than the stage: steps by device, as the stage sizes them
         n_train = input_ids.shape[0] - kl_samples
         cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),
-                         memplan.weight_bytes(sparse_model), devices.traits(device), needs_dense_layer(cfg)).apply(cfg)
+                         sizing.weight_bytes(sparse_model), devices.traits(device), cfg.needs_dense_layer).apply(cfg)
     mark_folder(checkpoint_dir)  # marked as ours: a rerun may resume or clear it
     skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
             if kl_samples else None)
@@ -186,8 +179,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     shard = distributed.shard(walk_samples)
     walk_ids = input_ids[shard.start:shard.stop]
     inputs = capture_inputs(sparse_model, layer_loader, walk_ids, device, cfg.offload, checkpoint_dir)
-    if steps.fits_on_device(memplan.weight_bytes(sparse_model), cfg, len(inputs.hidden), input_ids.shape[1],
-                            devices.traits(device), needs_dense_layer(cfg)):
+    if steps.fits_on_device(sizing.weight_bytes(sparse_model), cfg, len(inputs.hidden), input_ids.shape[1],
+                            devices.traits(device), cfg.needs_dense_layer):
         inputs.hidden.place(device)  # the walk's caches are made like it: no batch crosses the bus
         log.info("activation caches on %s (%.0f MiB each)", device, inputs.hidden.data.nbytes / 2**20)
     split = split_indices(walk_samples, cfg.val_fraction, seed)
@@ -215,7 +208,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
                               WalkOptions(device, cfg.batch_size, "LaCo", propagate), paths=Paths.BOTH,
                               dense=Lane(dense_model, loader=dense_loader), checkpoints=checkpoints,
-                              dense_in_step=needs_dense_layer(cfg), on_layer_done=last_dense)
+                              dense_in_step=cfg.needs_dense_layer, on_layer_done=last_dense)
         del inputs
         final, teacher = None, (last_dense.hidden if last_dense is not None else None)
         if kl_samples:

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from laco_deploy import devices, families, flops
+from laco_deploy import devices, families, flops, sizing
 from laco_deploy.compensate.masks import masked_merge
+from laco_deploy.compensate.steps import plan as plan_steps
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig
@@ -163,11 +164,8 @@ def compensate(model, input_ids: torch.Tensor, cfg: CompensateConfig, targets: t
     """LoRA-train `model` (sparse, on CPU) and merge under the mask. Returns (model on CPU, record)."""
     model.requires_grad_(False)
     if cfg.batch_size is None:  # a caller other than the stage: steps by device, as the stage sizes them
-        from laco_deploy import memplan
-        from laco_deploy.compensate import steps
-
         n = input_ids.shape[0] - int(input_ids.shape[0] * cfg.val_fraction)
-        cfg = steps.plan(cfg, input_ids.shape[1], n, memplan.weight_bytes(model), devices.traits(device)).apply(cfg)
+        cfg = plan_steps(cfg, input_ids.shape[1], n, sizing.weight_bytes(model), devices.traits(device)).apply(cfg)
     peft_model = attach_lora(model, cfg, targets, seed)
     record = train_lora(peft_model, input_ids, cfg, device, seed)
     merged, stats = merge_under_mask(peft_model)

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy import devices, distributed, memplan
+from laco_deploy import devices, distributed, sizing
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.compensate import laco, lora, steps, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
 from laco_deploy.compensate.guard import ModelGuard, restore_layers_from
 from laco_deploy.compensate.masks import dense_numel
-from laco_deploy.compensate.train import amp_dtype, resolve_precision
 from laco_deploy.compensate.record import config_summary, result_record, sparsity_document
+from laco_deploy.compensate.train import amp_dtype, resolve_precision
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
 from laco_deploy.fsutil import atomic_dir
@@ -119,8 +119,8 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     budget = resolve_budget(comp_cfg, data_cfg, device)
     comp_cfg = dataclasses.replace(comp_cfg, precision=resolve_precision(comp_cfg.precision, device))
     train_samples = budget.samples - int(budget.samples * comp_cfg.val_fraction)  # as split_indices holds out
-    step_plan = steps.plan(comp_cfg, budget.seqlen, train_samples, memplan.model_bytes(sparse_dir),
-                           devices.traits(device), laco.needs_dense_layer(comp_cfg))
+    step_plan = steps.plan(comp_cfg, budget.seqlen, train_samples, sizing.model_bytes(sparse_dir),
+                           devices.traits(device), comp_cfg.needs_dense_layer)
     comp_cfg = step_plan.apply(comp_cfg)
     log.info("training steps: %s", step_plan.reason)
     log.info("training computes in %s%s", comp_cfg.precision,

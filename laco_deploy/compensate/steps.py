@@ -5,7 +5,7 @@ same step is overhead-bound: measured on an H200, the default model's LaCo step 
 took 8.5 ms, almost all of it launching kernels and Python, so the walk ran 9 minutes where the
 arithmetic needs seconds. So on an accelerator, unless compensate.batch_size is set, a step takes
 about `gpu_tokens_per_step` tokens: the largest power-of-two batch up to that which
-- fits the memory the device has free (a share of it: `memory_share`), as memplan sizes the layer
+- fits the memory the device has free (a share of it: `memory_share`), as sizing.py sizes the layer
   step (the walk), the whole model's step (the LoRA baseline), or the final KL pass's (its own
   batch: one layer at a time, but its logits over the vocabulary), and
 - still leaves `MIN_STEPS_PER_EPOCH` updates per epoch.
@@ -20,7 +20,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from laco_deploy import memplan
+from laco_deploy import sizing
 from laco_deploy.config import CompensateConfig
 from laco_deploy.devices import Traits
 
@@ -44,13 +44,13 @@ class StepPlan:
 
 def layer_step_bytes(w: dict[str, int], tokens: int, dense_twin: bool) -> int:
     """Device bytes of the LaCo step on `tokens` tokens: the layer and its training state."""
-    return w["layer_max"] + sum(memplan.layer_step_terms(w, tokens, dense_twin).values())
+    return w["layer_max"] + sum(sizing.layer_step_terms(w, tokens, dense_twin).values())
 
 
 def whole_model_bytes(w: dict[str, int], tokens: int) -> int:
     """Device bytes of a step of the whole model (LoRA): weights, their training state, activations
     of every layer and the logits."""
-    return w["total"] + sum(memplan.whole_model_terms(w, tokens).values())
+    return w["total"] + sum(sizing.whole_model_terms(w, tokens).values())
 
 
 def _largest_batch(cap: int, seqlen: int, need, room: int | None) -> int:
@@ -65,7 +65,7 @@ def _largest_batch(cap: int, seqlen: int, need, room: int | None) -> int:
 def plan(cfg: CompensateConfig, seqlen: int, train_samples: int, w: dict[str, int] | None, traits: Traits,
          dense_twin: bool = False) -> StepPlan:
     """The steps for `train_samples` samples of `seqlen` tokens (the walk's; the final pass has as
-    many by default) on a device with `traits`; `w`: memplan.weight_bytes of the model (None:
+    many by default) on a device with `traits`; `w`: sizing.weight_bytes of the model (None:
     unknown, memory is not checked)."""
     final = cfg.final_kl_batch_size
     if cfg.batch_size is not None or not traits.accelerator:
@@ -79,7 +79,7 @@ def plan(cfg: CompensateConfig, seqlen: int, train_samples: int, w: dict[str, in
     else:
         batch = _largest_batch(cap, seqlen, lambda t: layer_step_bytes(w, t, dense_twin), room)
     if final is None:
-        final = _largest_batch(cap, seqlen, lambda t: memplan.final_kl_device_bytes(w, t, cfg.final_kl_optimizer), room)
+        final = _largest_batch(cap, seqlen, lambda t: sizing.final_kl_device_bytes(w, t, cfg.final_kl_optimizer), room)
     scale, final_scale = math.sqrt(batch / cfg.cpu_batch_size), math.sqrt(final / cfg.cpu_batch_size)
     fits = f" within {cfg.memory_share:.0%} of {traits.free_bytes / 2**30:.1f} GiB free" if room is not None else ""
     return StepPlan(batch, final, scale, final_scale,
@@ -94,6 +94,6 @@ def fits_on_device(w: dict[str, int], cfg: CompensateConfig, samples: int, seqle
     engine.walk) stay on the device next to the layer step."""
     if not (cfg.device_caches and traits.accelerator) or traits.free_bytes is None or cfg.offload != "cpu":
         return False
-    caches = (3 if dense_twin else 2) * memplan.activation_cache_bytes(w, samples, seqlen)
+    caches = (3 if dense_twin else 2) * sizing.activation_cache_bytes(w, samples, seqlen)
     need = caches + layer_step_bytes(w, cfg.batch_size * seqlen, dense_twin)
     return need <= cfg.memory_share * traits.free_bytes

@@ -20,8 +20,8 @@ from laco_deploy.compensate.masks import model_sparsity, weights_sparsity
 from laco_deploy.config import CompensateConfig, ModelConfig
 from laco_deploy.engine import LazyModel
 from laco_deploy.errors import ModelError
-from laco_deploy.memplan import FP32, available_bytes, model_bytes
 from laco_deploy.models import decoder_layers, linear_modules, load_model, local_model_dir, save_model
+from laco_deploy.sizing import FP32, available_bytes, model_bytes
 
 log = logging.getLogger(__name__)
 GIB = 2**30

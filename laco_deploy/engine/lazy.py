@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from laco_deploy import structured
 from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, atomic_path
@@ -133,7 +134,7 @@ class LazyModel:
         from transformers import AutoConfig
 
         path = Path(path)
-        model = skeleton(AutoConfig.from_pretrained(path, trust_remote_code=False))
+        model = structured.skeleton(AutoConfig.from_pretrained(path, trust_remote_code=False))
         model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # recompute its tables on CPU
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
@@ -301,21 +302,6 @@ def capture_inputs(model, loader: Any, input_ids: torch.Tensor, device: torch.de
     if isinstance(loader, LazyModel):
         return loader.capture(input_ids, device, offload, workdir)
     return capture_layer_inputs(model, input_ids, device, offload=offload, workdir=workdir)
-
-
-def skeleton(config) -> torch.nn.Module:
-    """The causal LM of `config` on `meta` (no memory), decoder layers at their per-layer widths."""
-    from transformers import AutoModelForCausalLM
-
-    from laco_deploy import structured
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if structured.has_layer_widths(config):
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        for layer, width in zip(model.model.layers, structured.layer_widths(config)):
-            structured.shrink_layer(layer, width, head_dim)
-    return model.eval()
 
 
 def _init_buffers(model, module: torch.nn.Module) -> None:

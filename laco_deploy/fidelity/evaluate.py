@@ -4,7 +4,7 @@ PyTorch candidates (Hugging Face directories) and the dense model run on the lay
 (fidelity/torch_pass.py): walked side by side one decoder layer at a time with weights streamed
 from safetensors, which also yields the per-layer error curves; their final norm and LM head then
 give the logits window by window. Runtime candidates (GGUF, ONNX exports) are opened through
-`laco_deploy.bench.runner.open_runner` one at a time, scored against the dense logits of the same
+`laco_deploy.runtimes.runner.open_runner` one at a time, scored against the dense logits of the same
 windows and closed before the next one loads. Only one window's logits per model are alive at a
 time ([seq, vocab] each).
 
@@ -26,7 +26,6 @@ import torch
 
 from laco_deploy import distributed
 from laco_deploy.artifacts import Artifact
-from laco_deploy.bench.runner import open_runner
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
 from laco_deploy.data import check_texts, eval_domains, evaluation_windows, in_domain, sample_format
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
@@ -39,6 +38,7 @@ from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
 from laco_deploy.fidelity.verdicts import runtime_agreement
 from laco_deploy.models import check_source, load_model, local_model_dir, resolve_device
 from laco_deploy.progress import progress_bar
+from laco_deploy.runtimes.runner import open_runner
 from laco_deploy.targets import target_for_path
 
 log = logging.getLogger(__name__)

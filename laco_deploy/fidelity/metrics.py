@@ -3,7 +3,7 @@
 Conventions: `dense` and `cand` logits are [tokens, vocab] for the same token positions; the
 distributions are softmax(logits). Per-token results are 1-D tensors of length `tokens`.
 
-- KL(dense || candidate) per token: sum_v p_d(v) * (log p_d(v) - log p_c(v)), in nats.
+- KL(dense || candidate) per token (divergence.token_kl): sum_v p_d(v) * (log p_d(v) - log p_c(v)), in nats.
 - top-1 agreement: argmax p_d == argmax p_c.
 - dense-top-token probability delta: p_c(t*) - p_d(t*), t* = argmax p_d (negative: the candidate
   is less sure of the dense model's choice).
@@ -17,33 +17,18 @@ import math
 
 import torch
 
-_ROW_CHUNK = 16  # rows per float64 chunk: [16, vocab] float64 is 6 MiB at vocab 49152 (64 rows: +150 MiB peak)
-
-
-def token_kl(dense: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-    """KL(p_dense || p_cand) per token, in nats. [tokens, vocab] x2 -> [tokens] float64.
-
-    Computed in float64 in row chunks so that small divergences are not lost to rounding and
-    memory stays bounded; tiny negative rounding residues are clamped to 0 (KL >= 0).
-    """
-    _check_pair(dense, cand)
-    out = torch.empty(dense.shape[0], dtype=torch.float64)
-    for s in range(0, dense.shape[0], _ROW_CHUNK):
-        logp = torch.log_softmax(dense[s : s + _ROW_CHUNK].double(), dim=-1)
-        logq = torch.log_softmax(cand[s : s + _ROW_CHUNK].double(), dim=-1)
-        out[s : s + _ROW_CHUNK] = (logp.exp() * (logp - logq)).sum(-1).clamp_min(0.0)
-    return out
+from laco_deploy.divergence import ROW_CHUNK, check_pair
 
 
 def compare_logits(dense: torch.Tensor, cand: torch.Tensor, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every per-token comparison of one window from a single float64 log-softmax per model.
 
     dense, cand [seq, vocab]; input_ids [seq]. Returns kl [seq], top1 [seq] bool, p_top_delta [seq]
-    and the candidate's next-token nll [seq - 1]: the same values as token_kl, top1_agreement,
+    and the candidate's next-token nll [seq - 1]: the same values as divergence.token_kl, top1_agreement,
     top_token_prob_delta and next_token_nll, at about a third of their combined cost (the
     full-vocabulary passes dominate evaluation time on CPU at vocab 49152).
     """
-    _check_pair(dense, cand)
+    check_pair(dense, cand)
     if input_ids.shape != dense.shape[:1]:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} must be [seq] for logits {tuple(dense.shape)}")
     seq = dense.shape[0]
@@ -51,8 +36,8 @@ def compare_logits(dense: torch.Tensor, cand: torch.Tensor, input_ids: torch.Ten
     nll = torch.empty(seq - 1, dtype=torch.float64)
     top = dense.argmax(-1)
     targets = input_ids.to(dense.device)
-    for s in range(0, seq, _ROW_CHUNK):
-        e = min(s + _ROW_CHUNK, seq)
+    for s in range(0, seq, ROW_CHUNK):
+        e = min(s + ROW_CHUNK, seq)
         logp = torch.log_softmax(dense[s:e].double(), dim=-1)
         logq = torch.log_softmax(cand[s:e].double(), dim=-1)
         p = logp.exp()
@@ -67,13 +52,13 @@ def compare_logits(dense: torch.Tensor, cand: torch.Tensor, input_ids: torch.Ten
 
 def top1_agreement(dense: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """Whether both models pick the same most likely next token. [tokens, vocab] x2 -> [tokens] bool."""
-    _check_pair(dense, cand)
+    check_pair(dense, cand)
     return dense.argmax(-1) == cand.argmax(-1)
 
 
 def top_token_prob_delta(dense: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
     """p_cand(t*) - p_dense(t*) with t* = argmax p_dense. [tokens, vocab] x2 -> [tokens] float64."""
-    _check_pair(dense, cand)
+    check_pair(dense, cand)
     top = dense.argmax(-1, keepdim=True)  # [tokens, 1]
     p_d = torch.softmax(dense.double(), -1).gather(-1, top).squeeze(-1)
     p_c = torch.softmax(cand.double(), -1).gather(-1, top).squeeze(-1)
@@ -90,9 +75,9 @@ def next_token_nll(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tenso
         raise ValueError(f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)} must be [seq, vocab] and [seq]")
     targets = input_ids[1:].view(-1, 1).to(logits.device)
     out = torch.empty(targets.shape[0], dtype=torch.float64, device=logits.device)
-    for s in range(0, targets.shape[0], _ROW_CHUNK):  # float64 in row chunks, as in compare_logits
-        logp = torch.log_softmax(logits[s : s + _ROW_CHUNK].double(), dim=-1)
-        out[s : s + _ROW_CHUNK] = -logp.gather(-1, targets[s : s + _ROW_CHUNK]).squeeze(-1)
+    for s in range(0, targets.shape[0], ROW_CHUNK):  # float64 in row chunks, as in compare_logits
+        logp = torch.log_softmax(logits[s : s + ROW_CHUNK].double(), dim=-1)
+        out[s : s + ROW_CHUNK] = -logp.gather(-1, targets[s : s + ROW_CHUNK]).squeeze(-1)
     return out
 
 
@@ -138,8 +123,3 @@ def log_histogram(values: torch.Tensor, bins: int = 40, floor: float = 1e-6) -> 
     idx = torch.bucketize(v, edges[1:-1], right=True)  # 0 = below floor, bins = the top bin (max included)
     counts = torch.bincount(idx, minlength=bins + 1)
     return {"edges": edges.tolist(), "counts": counts.tolist()}
-
-
-def _check_pair(dense: torch.Tensor, cand: torch.Tensor) -> None:
-    if dense.dim() != 2 or dense.shape != cand.shape:
-        raise ValueError(f"dense logits {tuple(dense.shape)} and candidate logits {tuple(cand.shape)} must both be [tokens, vocab]")

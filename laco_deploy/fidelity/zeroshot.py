@@ -37,7 +37,7 @@ _NOISE = ("`pretrained` model kwarg is not of type `str`", "Passed an already-in
 
 def evaluate_runners(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, dense_model, runners: dict[str, Any]) -> dict[str, Any]:
     """Score the dense model and each PyTorch runner's model; other runtimes are skipped and listed."""
-    from laco_deploy.bench.runner import TorchRunner
+    from laco_deploy.runtimes.runner import TorchRunner
 
     models = {"dense": dense_model}
     skipped: dict[str, str] = {}

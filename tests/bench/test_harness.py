@@ -10,6 +10,7 @@ import pytest
 from laco_deploy.bench import harness
 from laco_deploy.config import BenchConfig, to_dict
 from laco_deploy.errors import ConfigError
+from laco_deploy.runtimes import cpu
 
 VOCAB = 7
 
@@ -82,7 +83,7 @@ def test_measure_runs_every_runtime_through_the_same_loop():
 
 
 def test_facts_and_notes():
-    assert 1 <= harness.physical_cores() and harness.cpu_name()
+    assert 1 <= cpu.physical_cores() and cpu.cpu_name()
     assert math.isnan(harness.rss_mib("NoSuchField"))
     assert harness.stat([1.0, 3.0, 2.0]) == {"median": 2.0, "spread": 1.0}
     notes = harness.sparsity_notes({"d": {"pattern": None}, "s": {"pattern": "2:4"}, "t": {"pattern": "structured"}}, "rt")
@@ -92,10 +93,11 @@ def test_facts_and_notes():
 
 
 def test_adapter_modules_keep_no_measurement_code():
-    """Timing, RSS, statistics, CPU facts and scoring live in the harness only."""
+    """Timing, RSS, statistics and scoring live in the harness only (CPU facts in runtimes/cpu.py)."""
     import inspect
 
-    from laco_deploy.bench import llamacpp, llamacpp_bench, onnxrt, onnxrt_bench
+    from laco_deploy.bench import llamacpp_bench, onnxrt_bench
+    from laco_deploy.runtimes import llamacpp, onnxrt
 
     for module in (llamacpp, llamacpp_bench, onnxrt, onnxrt_bench):
         source = inspect.getsource(module)

@@ -14,8 +14,8 @@ from laco_deploy.errors import ConfigError, RuntimeBackendError
 
 pytest.importorskip("llama_cpp")
 from laco_deploy.bench.harness import perplexity, plan_tokens, window_nll  # noqa: E402
-from laco_deploy.bench.llamacpp import LlamaCppRunner  # noqa: E402
 from laco_deploy.bench.llamacpp_bench import run_benchmark  # noqa: E402
+from laco_deploy.runtimes.llamacpp import LlamaCppRunner  # noqa: E402
 
 TINY_BENCH = BenchConfig(repetitions=2, threads=1, n_prompt=16, n_gen=4, ppl_ctx=32, ppl_windows=2)
 
@@ -39,7 +39,7 @@ def test_window_nll_is_next_token_cross_entropy():
 
 
 def test_runner_logits_match_pytorch(tiny_llama_dir, ggufs):
-    from laco_deploy.bench.runner import TorchRunner, open_runner
+    from laco_deploy.runtimes.runner import TorchRunner, open_runner
     from laco_deploy.models import load_model
 
     runner = open_runner(ggufs["f32"])
@@ -59,7 +59,7 @@ def test_runner_logits_match_pytorch(tiny_llama_dir, ggufs):
 
 
 def test_perplexity_follows_llama_perplexity_protocol(tiny_llama_dir, ggufs):
-    from laco_deploy.bench.runner import TorchRunner
+    from laco_deploy.runtimes.runner import TorchRunner
     from laco_deploy.data import load_texts
     from laco_deploy.models import load_model
 
@@ -132,7 +132,7 @@ def test_llama_cpp_warnings_go_to_logging_not_the_terminal(tiny_gemma3_dir, tmp_
     import logging
 
     from exporters.gguf import export
-    from laco_deploy.bench.llamacpp import LlamaCppRunner
+    from laco_deploy.runtimes.llamacpp import LlamaCppRunner
 
     path = export(tiny_gemma3_dir, tmp_path / "g3.f32.gguf", "f32").path
     capfd.readouterr()

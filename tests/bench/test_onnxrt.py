@@ -10,11 +10,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from laco_deploy.bench.harness import physical_cores, window_nll
-from laco_deploy.bench.onnxrt import OrtRunner, providers_for
+from laco_deploy.bench.harness import window_nll
 from laco_deploy.bench.onnxrt_bench import eval_tokens, run_benchmark
 from laco_deploy.config import BenchConfig
 from laco_deploy.errors import RuntimeBackendError
+from laco_deploy.runtimes.cpu import physical_cores
+from laco_deploy.runtimes.onnxrt import OrtRunner, providers_for
 
 HAS_CUDA_EP = "CUDAExecutionProvider" in ort.get_available_providers()
 

@@ -107,7 +107,7 @@ def test_skipped_with_a_reason(tiny_llama_dir, sparse_unstructured_dir, tmp_path
     sparse = load_model(str(sparse_unstructured_dir)).model
     cfg, cpu = _cfg(final_kl_epochs=1), torch.device("cpu")
     assert distill.skip_reason(sparse, cfg, 32, cpu, streamed=True) is None
-    monkeypatch.setattr(distill.memplan, "available_bytes", lambda: 2**10)
+    monkeypatch.setattr(distill.sizing, "available_bytes", lambda: 2**10)
     reason = distill.skip_reason(sparse, cfg, 32, cpu, streamed=False)
     assert reason is not None and "GiB" in reason and cfg.final_kl_optimizer in reason
     res = run(ModelConfig(model=str(tiny_llama_dir)), DATA, _cfg(epochs=1, final_kl_epochs=1), sparse_unstructured_dir,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from laco_deploy import devices, memplan
+from laco_deploy import devices, memplan, sizing, structured
 from laco_deploy.buildconfig import BuildConfig
 from laco_deploy.compensate import steps
 from laco_deploy.config import CompensateConfig
@@ -20,9 +20,7 @@ GIB = 2**30
 def _weights(**shape) -> dict[str, int]:
     from transformers import LlamaConfig
 
-    from laco_deploy.engine.lazy import skeleton
-
-    return memplan.weight_bytes(skeleton(LlamaConfig(**shape)))
+    return sizing.weight_bytes(structured.skeleton(LlamaConfig(**shape)))
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +78,7 @@ def test_batches_are_the_largest_that_fit(smollm2, tinyllama, free_gib):
     for w in (smollm2, tinyllama):
         p = steps.plan(cfg, w=w, traits=gpu(free_gib), **PAPER)
         for batch, need in ((p.batch_size, lambda t: steps.layer_step_bytes(w, t, False)),
-                            (p.final_kl_batch_size, lambda t: memplan.final_kl_device_bytes(w, t, cfg.final_kl_optimizer))):
+                            (p.final_kl_batch_size, lambda t: sizing.final_kl_device_bytes(w, t, cfg.final_kl_optimizer))):
             tokens = batch * PAPER["seqlen"]
             assert batch == 1 or need(tokens) <= room
             assert batch == cap or need(2 * tokens) > room

@@ -12,7 +12,7 @@ from laco_deploy.errors import ExportError
 
 pytest.importorskip("llama_cpp")
 from exporters.gguf import export  # noqa: E402
-from laco_deploy.bench.parity import gguf_parity
+from laco_deploy.runtimes.parity import gguf_parity
 
 # Tiny random models give near-flat distributions, so quantization flips many top-1 choices;
 # these bounds check that each type is decoded as what it claims, not production quality.

@@ -16,7 +16,7 @@ pytest.importorskip("llama_cpp")
 
 def _export(src, path, quant="f32"):
     from exporters.gguf import export
-    from laco_deploy.bench.parity import gguf_parity
+    from laco_deploy.runtimes.parity import gguf_parity
 
     return export(src, path, quant, check=gguf_parity)
 

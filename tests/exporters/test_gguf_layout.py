@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from exporters.gguf_model import llama3_rope_factors, permute_rope_rows
-from laco_deploy.bench.parity import gguf_parity
+from laco_deploy.runtimes.parity import gguf_parity
 
 pytest.importorskip("llama_cpp")
 

@@ -13,7 +13,7 @@ from laco_deploy.errors import ExportError
 
 pytest.importorskip("llama_cpp")
 from exporters.gguf import export  # noqa: E402
-from laco_deploy.bench.parity import gguf_parity
+from laco_deploy.runtimes.parity import gguf_parity
 
 NON_UNIFORM = [{"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
                {"intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}]

@@ -16,8 +16,8 @@ from laco_deploy.data import load_texts
 
 pytest.importorskip("llama_cpp")
 from exporters.gguf import export  # noqa: E402
-from laco_deploy.bench.llamacpp import LlamaCppRunner  # noqa: E402
-from laco_deploy.bench.parity import gguf_parity
+from laco_deploy.runtimes.llamacpp import LlamaCppRunner  # noqa: E402
+from laco_deploy.runtimes.parity import gguf_parity
 
 SAMPLES = ["Hello world", "In 1905, 3.14 and 12345 apples\n\n  indented\tline", "naïve café — «quotes» 東京",
            "<|im_start|>user\nhi<|im_end|>"]

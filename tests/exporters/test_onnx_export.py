@@ -14,11 +14,11 @@ import torch
 
 from exporters import onnx as onnx_exporter
 from exporters.onnx_graph import _cache_argument
-from laco_deploy.bench.onnxrt import OrtDecoder, OrtRunner
 from laco_deploy.errors import ExportError
 from laco_deploy.models import load_model
-from laco_deploy.bench import parity
-from laco_deploy.bench.parity import onnx_parity
+from laco_deploy.runtimes import parity
+from laco_deploy.runtimes.onnxrt import OrtDecoder, OrtRunner
+from laco_deploy.runtimes.parity import onnx_parity
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_greedy_text_equals_pytorch_generate(export_fp32, torch_model):
 
 
 def test_runner_logits_match_torch_runner(export_fp32, torch_model):
-    from laco_deploy.bench.runner import TorchRunner, open_runner
+    from laco_deploy.runtimes.runner import TorchRunner, open_runner
 
     runner = open_runner(export_fp32[1])
     assert isinstance(runner, OrtRunner) and runner.name == "onnxruntime" and runner.provider == "CPUExecutionProvider"

@@ -7,9 +7,9 @@ import onnx
 import torch
 
 from exporters import onnx as onnx_exporter
-from laco_deploy.bench.onnxrt import OrtRunner
 from laco_deploy.models import load_model
-from laco_deploy.bench.parity import onnx_parity
+from laco_deploy.runtimes.onnxrt import OrtRunner
+from laco_deploy.runtimes.parity import onnx_parity
 
 
 def test_qwen2_with_biases(tiny_qwen2_dir, tmp_path):

@@ -12,9 +12,9 @@ import torch
 
 from exporters import onnx as onnx_exporter
 from exporters.onnx_genai import GENAI_FILE, genai_config
-from laco_deploy.bench.genai import genai_match
-from laco_deploy.bench.parity import onnx_parity
 from laco_deploy.models import load_model
+from laco_deploy.runtimes.genai import genai_match
+from laco_deploy.runtimes.parity import onnx_parity, torch_greedy
 
 og = pytest.importorskip("onnxruntime_genai")
 
@@ -50,7 +50,7 @@ def test_a_config_that_misdescribes_the_graph_is_caught(export, tiny_llama_dir, 
     inputs["past_key_names"], inputs["past_value_names"] = inputs["past_value_names"], inputs["past_key_names"]
     (bad / GENAI_FILE).write_text(json.dumps(doc))
     loaded = load_model(str(tiny_llama_dir))
-    result = genai_match(loaded.model, loaded.tokenizer, bad, PROMPT, 16, "The letter A")
+    result = genai_match(torch_greedy(loaded.model, PROMPT, 16), loaded.tokenizer, bad, PROMPT, "The letter A")
     assert result["checked"] and not result["greedy_identical"] and result["matching_prefix"] >= 1
 
 
@@ -58,7 +58,7 @@ def test_without_the_package_the_check_says_so(export, tiny_llama_dir, monkeypat
     _, out = export
     monkeypatch.setitem(sys.modules, "onnxruntime_genai", None)  # import fails as when not installed
     loaded = load_model(str(tiny_llama_dir))
-    result = genai_match(loaded.model, loaded.tokenizer, out, PROMPT, 4, "text")
+    result = genai_match(torch_greedy(loaded.model, PROMPT, 4), loaded.tokenizer, out, PROMPT, "text")
     assert result == {"checked": False, "why": "onnxruntime-genai is not installed (pip install onnxruntime-genai)"}
 
 

@@ -9,9 +9,9 @@ import torch
 
 from exporters import onnx as onnx_exporter
 from exporters import onnx_sparse
-from laco_deploy.bench.onnxrt import OrtDecoder, OrtRunner
 from laco_deploy.models import load_model, save_model
-from laco_deploy.bench.parity import onnx_parity
+from laco_deploy.runtimes.onnxrt import OrtDecoder, OrtRunner
+from laco_deploy.runtimes.parity import onnx_parity
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])

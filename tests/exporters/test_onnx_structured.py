@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from exporters import onnx as onnx_exporter
-from laco_deploy.bench.onnxrt import OrtDecoder, OrtRunner
 from laco_deploy.models import load_model, save_model
+from laco_deploy.runtimes.onnxrt import OrtDecoder, OrtRunner
+from laco_deploy.runtimes.parity import onnx_parity
 from laco_deploy.structured import WIDTHS_KEY, shrink_layer
-from laco_deploy.bench.parity import onnx_parity
 
 WIDTHS = [{"intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
           {"intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1}]

@@ -7,9 +7,9 @@ import onnx
 import torch
 
 from exporters import onnx as onnx_exporter
-from laco_deploy.bench.onnxrt import OrtDecoder
 from laco_deploy.models import load_model
-from laco_deploy.bench.parity import onnx_parity
+from laco_deploy.runtimes.onnxrt import OrtDecoder
+from laco_deploy.runtimes.parity import onnx_parity
 
 
 def _decode_diff(folder, model_dir, n_prefill: int = 20, n_decode: int = 6) -> tuple[float, float]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from laco_deploy.config import FidelityConfig
+from laco_deploy.divergence import token_kl
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates, gate_message
 from laco_deploy.fidelity.layerwise import LayerCurves, record_layer_outputs
@@ -18,10 +19,10 @@ def test_kl_matches_hand_computed_value():
     dense = torch.log(torch.tensor([[0.5, 0.5]]))
     cand = torch.log(torch.tensor([[0.9, 0.1]]))
     expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
-    assert M.token_kl(dense, cand).item() == pytest.approx(expected, abs=1e-7)
+    assert token_kl(dense, cand).item() == pytest.approx(expected, abs=1e-7)
     # KL is not symmetric: the reverse direction is a different number
     reverse = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
-    assert M.token_kl(cand, dense).item() == pytest.approx(reverse, abs=1e-7)
+    assert token_kl(cand, dense).item() == pytest.approx(reverse, abs=1e-7)
 
 
 def test_kl_against_formula_on_random_logits_and_chunking():
@@ -29,9 +30,9 @@ def test_kl_against_formula_on_random_logits_and_chunking():
     dense, cand = torch.randn(150, 11, generator=gen), torch.randn(150, 11, generator=gen)  # 150 rows > one chunk
     p, q = torch.softmax(dense.double(), -1), torch.softmax(cand.double(), -1)
     expected = (p * (p / q).log()).sum(-1)
-    assert torch.allclose(M.token_kl(dense, cand), expected, atol=1e-12)
-    assert M.token_kl(dense, dense).abs().max().item() == 0.0
-    assert M.token_kl(dense, dense + 3.0).abs().max().item() < 1e-12  # softmax is shift-invariant
+    assert torch.allclose(token_kl(dense, cand), expected, atol=1e-12)
+    assert token_kl(dense, dense).abs().max().item() == 0.0
+    assert token_kl(dense, dense + 3.0).abs().max().item() < 1e-12  # softmax is shift-invariant
 
 
 def test_top1_and_top_token_prob_delta():
@@ -135,7 +136,7 @@ def test_compare_logits_equals_the_separate_metrics():
     dense, cand = torch.randn(150, 37, generator=gen) * 3, torch.randn(150, 37, generator=gen) * 3  # > one row chunk
     ids = torch.randint(0, 37, (150,), generator=gen)
     out = M.compare_logits(dense, cand, ids)
-    assert torch.allclose(out["kl"], M.token_kl(dense, cand), atol=1e-12)
+    assert torch.allclose(out["kl"], token_kl(dense, cand), atol=1e-12)
     assert torch.equal(out["top1"], M.top1_agreement(dense, cand))
     assert torch.allclose(out["p_top_delta"], M.top_token_prob_delta(dense, cand), atol=1e-12)
     assert torch.allclose(out["nll"], M.next_token_nll(cand, ids), atol=1e-12)

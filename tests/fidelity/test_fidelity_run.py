@@ -150,7 +150,7 @@ class _FakeRuntime:
 
 
 def _patch_runner(monkeypatch, trained_dir, transform):
-    from laco_deploy.bench.runner import open_runner as real_open
+    from laco_deploy.runtimes.runner import open_runner as real_open
 
     def fake_open(path, device="cpu", threads=None, **_kw):
         if str(path).endswith(".onnx"):

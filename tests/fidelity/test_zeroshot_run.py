@@ -124,7 +124,7 @@ def test_structured_pruned_candidate_is_scored_as_loaded(tiny_llama_dir, tmp_pat
 
 
 def test_other_runtimes_are_skipped_with_one_log_line(tiny_llama_dir, bpe_tokenizer, caplog, offline):
-    from laco_deploy.bench.runner import TorchRunner
+    from laco_deploy.runtimes.runner import TorchRunner
     from laco_deploy.models import load_model
 
     class GGUFRunner:  # stands in for a llama.cpp candidate: no PyTorch model inside

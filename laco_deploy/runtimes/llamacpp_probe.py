@@ -77,7 +77,7 @@ def extra_buffers_work() -> bool:
     with tempfile.TemporaryDirectory(prefix="laco-llamacpp-probe-") as work:
         path = Path(work) / "probe.gguf"
         write_probe_model(path)
-        code = f"from laco_deploy.bench.llamacpp_probe import _probe_child; _probe_child({str(path)!r})"
+        code = f"from laco_deploy.runtimes.llamacpp_probe import _probe_child; _probe_child({str(path)!r})"
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                               env=_child_env())
     if proc.returncode != 0:

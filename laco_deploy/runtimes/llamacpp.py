@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from laco_deploy.bench.harness import physical_cores
-from laco_deploy.bench.llamacpp_log import route_native_logs
-from laco_deploy.bench.llamacpp_probe import extra_buffers_work, model_params
 from laco_deploy.errors import ConfigError, RuntimeBackendError
+from laco_deploy.runtimes.cpu import physical_cores
+from laco_deploy.runtimes.llamacpp_log import route_native_logs
+from laco_deploy.runtimes.llamacpp_probe import extra_buffers_work, model_params
 from laco_deploy.targets import GGUF
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """onnxruntime-genai on an ONNX export folder: its greedy tokens and its tokenizer against ours.
 
-Run by the ONNX export's parity check (laco_deploy.bench.parity.onnx_parity) when the folder holds
+Run by the ONNX export's parity check (laco_deploy.runtimes.parity.onnx_parity) when the folder holds
 a genai_config.json (exporters.onnx_genai). onnxruntime-genai is optional: without it the check
 says so instead of failing the export.
 """
@@ -16,11 +16,11 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def genai_match(model, tokenizer, folder: Path, prompt: torch.Tensor, new_tokens: int, text: str) -> dict:
-    """Greedy continuation of `prompt` [seq] for `new_tokens` in onnxruntime-genai against PyTorch's
-    (`model`, fp32), and genai's tokenizer against `tokenizer` on `text`."""
-    from laco_deploy.bench.parity import torch_greedy
-
+def genai_match(ref: list[int], tokenizer, folder: Path, prompt: torch.Tensor, text: str) -> dict:
+    """Greedy continuation of `prompt` [seq] in onnxruntime-genai against PyTorch's `ref` (the fp32
+    model's greedy tokens, parity.torch_greedy: as many are generated), and genai's tokenizer
+    against `tokenizer` on `text`."""
+    new_tokens = len(ref)
     try:
         import onnxruntime_genai as og
     except ImportError:
@@ -29,7 +29,6 @@ def genai_match(model, tokenizer, folder: Path, prompt: torch.Tensor, new_tokens
         og_model = og.Model(str(folder))
     except Exception as e:  # e.g. a model type this genai version does not know: report, do not fail the export
         return {"checked": False, "why": f"onnxruntime-genai {og.__version__} cannot open the folder: {e}"}
-    ref = torch_greedy(model, prompt, new_tokens)
     try:
         params = og.GeneratorParams(og_model)
         length = prompt.numel() + new_tokens

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from exporters.onnx_genai import GENAI_FILE
-from laco_deploy.fidelity.metrics import token_kl
+from laco_deploy.divergence import token_kl
 
 PARITY_TOKENS = 128  # GGUF: tokens of evaluation text compared right after export (a fixed check, not a setting)
 PARITY_PREFILL, PARITY_DECODE = 128, 16  # ONNX: evaluation tokens prefilled, then decoded one by one
@@ -30,7 +30,7 @@ GREEDY_PROMPT, GREEDY_NEW = 16, 16  # ONNX: prompt tokens and greedily generated
 
 def logit_agreement(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, float]:
     """Top-1 agreement and mean KL(ref || cand) in nats over positions. ref, cand: [seq, vocab].
-    KL in float64 row chunks (fidelity.metrics.token_kl): a full [seq, vocab] float64 pass would
+    KL in float64 row chunks (divergence.token_kl): a full [seq, vocab] float64 pass would
     be the export's largest allocation."""
     kl = token_kl(ref, cand)  # [seq]
     top1 = (ref.argmax(-1) == cand.argmax(-1)).double().mean()
@@ -41,7 +41,7 @@ def gguf_parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS)
     """llama.cpp vs PyTorch next-token logits on the same evaluation tokens, and tokenizer agreement."""
     from transformers import AutoTokenizer
 
-    from laco_deploy.bench.llamacpp import LlamaCppRunner
+    from laco_deploy.runtimes.llamacpp import LlamaCppRunner
     from laco_deploy.data import evaluation_stream, load_texts
     from laco_deploy.engine.forward import model_logits
 
@@ -68,7 +68,7 @@ def gguf_parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS)
 def onnx_parity(model, tokenizer, folder: Path) -> dict:
     """Logit parity (prefill + decode) and greedy-text match of the ONNX export in `folder` against
     the fp32 PyTorch `model` it was traced from."""
-    from laco_deploy.bench.onnxrt import OrtDecoder
+    from laco_deploy.runtimes.onnxrt import OrtDecoder
     from laco_deploy.data import evaluation_stream
 
     stream = evaluation_stream(tokenizer, "builtin", PARITY_PREFILL + PARITY_DECODE)
@@ -76,21 +76,22 @@ def onnx_parity(model, tokenizer, folder: Path) -> dict:
     decoder = OrtDecoder(folder, device="cpu")
     try:
         parity = logit_parity(model, decoder, stream, prefill)
-        greedy = greedy_match(model, decoder, stream[:GREEDY_PROMPT], GREEDY_NEW)
+        ref = torch_greedy(model, stream[:GREEDY_PROMPT], GREEDY_NEW)  # one reference for both runtimes
+        greedy = greedy_match(ref, decoder, stream[:GREEDY_PROMPT])
     finally:
         del decoder
     out = {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}
     if (folder / GENAI_FILE).is_file():  # the folder also claims to run in onnxruntime-genai: prove it
-        from laco_deploy.bench.genai import genai_match
         from laco_deploy.data import load_texts
+        from laco_deploy.runtimes.genai import genai_match
 
         text = load_texts("builtin", "eval")[0][:2000]
-        out["genai"] = genai_match(model, tokenizer, folder, stream[:GREEDY_PROMPT], GREEDY_NEW, text)
+        out["genai"] = genai_match(ref, tokenizer, folder, stream[:GREEDY_PROMPT], text)
     return out
 
 
 def logit_parity(model, decoder, tokens: torch.Tensor, prefill: int) -> dict:
-    """model: PyTorch causal LM (reference), decoder: laco_deploy.bench.onnxrt.OrtDecoder,
+    """model: PyTorch causal LM (reference), decoder: laco_deploy.runtimes.onnxrt.OrtDecoder,
     tokens [prefill + decode] int64 -> max |diff| and top-1 agreement, prefill and decode apart."""
     with torch.no_grad():
         ref = model(tokens.view(1, -1), use_cache=False).logits[0].float().numpy()  # [n, vocab]
@@ -124,9 +125,10 @@ def torch_greedy(model, prompt: torch.Tensor, new_tokens: int) -> list[int]:
     return out[0, prompt.numel():].tolist()
 
 
-def greedy_match(model, decoder, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """Generate `new_tokens` greedily in PyTorch and onnxruntime from the same prompt [seq]."""
-    ref = torch_greedy(model, prompt, new_tokens)
+def greedy_match(ref: list[int], decoder, prompt: torch.Tensor) -> dict:
+    """onnxruntime's greedy continuation of `prompt` [seq] against PyTorch's `ref` (torch_greedy),
+    as many tokens."""
+    new_tokens = len(ref)
     got = decoder.generate(prompt.numpy().astype(np.int64), new_tokens, eos_token_id=None)
     same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
     return {"prompt_tokens": int(prompt.numel()), "new_tokens": new_tokens, "identical": ref == got,

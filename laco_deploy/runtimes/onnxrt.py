@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from laco_deploy.bench.harness import physical_cores
 from laco_deploy.errors import RuntimeBackendError
+from laco_deploy.runtimes.cpu import physical_cores
 from laco_deploy.targets import ONNX
 
 log = logging.getLogger(__name__)
