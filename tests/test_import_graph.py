@@ -180,6 +180,22 @@ def test_no_upward_import():
     assert upward_imports(import_graph()) == []
 
 
+# Imports between the stage packages: imatrix gathers pruning's input statistic (Wanda's), nothing else.
+STAGES_MAY_SHARE = {(D + "imatrix", D + "prune"), (D + "imatrix", D + "prune.stats")}
+
+
+def _stage_package(mod: str) -> str:
+    return ".".join(mod.split(".")[:2])
+
+
+def test_stages_do_not_import_each_other():
+    stages = FLOORS[[name for name, _ in FLOORS].index("stages")][1]
+    graph = import_graph()
+    across = {(m, t) for m, deps in graph.items() for t in deps
+              if floor_of(m) == floor_of(t) and m.startswith(stages) and _stage_package(m) != _stage_package(t)}
+    assert sorted(across - STAGES_MAY_SHARE) == []
+
+
 def test_design_notes_draw_these_floors():
     design = (ROOT / "docs" / "DESIGN.md").read_text()
     assert floors_drawing() in design, "re-draw the floors in docs/DESIGN.md: python tests/test_import_graph.py"
