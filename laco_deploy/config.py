@@ -162,6 +162,12 @@ class CompensateConfig:
     # at 32-128 samples 1 pass over 4x more samples had won (generalization_sweep, RESULTS.md)
     epochs: int = 2
     lr: float = 3e-3
+    # a layer whose first epoch ends no better than it started (held-out loss) starts over from its
+    # pruned weights at lr * lr_backoff, up to lr_retries times: 3e-3 raised the training and held-out
+    # loss of every Gemma 3 270M layer tried (its linears are ~5x smaller than SmolLM2's), 3e-4 and 1e-4
+    # lowered them (RESULTS.md); a layer that improves at lr runs as before
+    lr_backoff: float = 0.1
+    lr_retries: int = 2
     # samples per training step; None: by device (compensate/steps.py): cpu_batch_size on a CPU, on a
     # GPU about gpu_tokens_per_step tokens within memory_share of its free memory, with the learning
     # rates scaled by sqrt(batch / cpu_batch_size)
@@ -245,6 +251,9 @@ class CompensateConfig:
             errs.append(f"compensate.lsq_damp {self.lsq_damp} must be positive")
         if not self.lr > 0:
             errs.append(f"compensate.lr {self.lr} must be positive")
+        if not 0.0 < self.lr_backoff < 1.0 or self.lr_retries < 0:
+            errs.append(f"compensate.lr_backoff {self.lr_backoff} must be in (0, 1) and compensate.lr_retries "
+                        f"{self.lr_retries} at least 0 (0: no retry)")
         if self.final_kl_samples is not None and self.final_kl_samples < 2:
             errs.append(f"compensate.final_kl_samples {self.final_kl_samples} must be at least 2 (or unset: as many as "
                         "the walk's)")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -157,6 +157,7 @@ class LayerTrainer:
         # training FLOPs per sample (forward + backward), counted on the first step; None: not counted
         self.sample_flops: float | None = 0.0
         self.samples_seen = 0
+        self.step_s = 0.0  # seconds in training steps, over every try
         self.anchor: list[torch.Tensor] | None = None  # starting weights, for cfg.anchor_decay
         self.energy = self._target_energy()  # [samples] fp64, cos_mse only
 
@@ -282,8 +283,9 @@ class LayerTrainer:
             p.sub_(p - w0, alpha=pull)
 
     def _epoch(self, order: torch.Tensor, opt, scaler, step: int, total: int, warmup: int,
-               gen: torch.Generator) -> int:
-        """One pass over the training samples in `order`; returns the updated step count."""
+               gen: torch.Generator, base_lr: float | None = None) -> int:
+        """One pass over the training samples in `order` at peak rate `base_lr` (default self.lr);
+        returns the updated step count."""
         cfg = self.cfg
         chunks = list(order.split(cfg.batch_size))
         mixes = [torch.rand(len(c), generator=gen) < cfg.dense_input_mix if cfg.dense_input_mix > 0 else None
@@ -292,7 +294,7 @@ class LayerTrainer:
             self._backward(chunk, mixes[k], scaler)
             self.samples_seen += len(chunk)
             if (k + 1) % cfg.grad_accum == 0 or k == len(chunks) - 1:
-                lr = self.lr * cosine_lr(step, total, warmup)
+                lr = (self.lr if base_lr is None else base_lr) * cosine_lr(step, total, warmup)
                 for group in opt.param_groups:
                     group["lr"] = lr
                 distributed.all_reduce_grads(self.params)
@@ -307,42 +309,24 @@ class LayerTrainer:
         return step
 
     def fit(self, progress: Callable[[str], None] = lambda _s: None) -> dict[str, Any]:
-        """Train with early stopping on the held-out samples; keep the best state (start included)."""
+        """Train with early stopping on the held-out samples; keep the best state (start included).
+        A first epoch that ends no better than the start means the step is too large for this layer
+        (Gemma 3's small linears: every layer rose at 3e-3): it restarts from its starting weights at
+        lr * lr_backoff, up to lr_retries times; the last try keeps whatever is best."""
         cfg, d = self.cfg, self.data
         torch.manual_seed(self.seed)
         gen = torch.Generator().manual_seed(self.seed)
         watch = d.val_idx if len(d.val_idx) else d.train_idx
         before = self.evaluate(watch)
-        best_val, best_state, best_epoch, bad, best_eval = before["loss"], self._snapshot(), 0, 0, before
-        if cfg.anchor_decay > 0:
-            self.anchor = [p.detach().clone() for p in self.params]
+        start, t0, tried = self._snapshot(), time.perf_counter(), []
+        for attempt in range(cfg.lr_retries + 1):
+            tried.append(self.lr * cfg.lr_backoff ** attempt)
+            run = self._attempt(tried[-1], watch, before, start, gen, progress, last=attempt == cfg.lr_retries)
+            if run.best_epoch > 0:
+                break
+        self._restore(run.best_state)
         self.layer.requires_grad_(False)
-        for p in self.params:
-            p.requires_grad_(True)
-        opt = make_adamw(self.params, self.lr, cfg.weight_decay, self.device)
-        scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype(self.device, cfg.precision) is torch.float16)
-        total = max(1, math.ceil(math.ceil(len(d.train_idx) / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
-        step, history, t0, step_s = 0, [], time.perf_counter(), 0.0
-        for epoch in range(1, cfg.epochs + 1):
-            order = d.train_idx[torch.randperm(len(d.train_idx), generator=gen)]
-            t_steps = time.perf_counter()
-            step = self._epoch(order, opt, scaler, step, total, int(total * cfg.warmup_fraction), gen)
-            devices.synchronize(self.device)  # once an epoch: the steps' own time, for the throughput
-            step_s += time.perf_counter() - t_steps
-            current = self.evaluate(watch)
-            val = current["loss"]
-            history.append(round(val, 6))
-            progress(f"epoch {epoch} val {val:.4g} (start {before['loss']:.4g})")
-            if val < best_val:
-                best_val, best_state, best_epoch, bad, best_eval = val, self._snapshot(), epoch, 0, current
-            else:
-                bad += 1
-                if len(d.val_idx) and bad >= cfg.patience:
-                    break
-        self._restore(best_state)
-        self.anchor = None
-        self.layer.requires_grad_(False)
-        after = best_eval  # the kept state was evaluated when it was chosen
+        after = run.best_eval  # the kept state was evaluated when it was chosen
         if self.corrections is not None:
             self.corrections.merge()  # the layer is plain again; `after` measures the merged weights
             after = self.evaluate(watch)
@@ -352,9 +336,58 @@ class LayerTrainer:
             "nmse_before": before["nmse"], "nmse_after": after["nmse"],
             "mse_before": before["mse"], "mse_after": after["mse"],
             "measured_on": "validation" if len(d.val_idx) else "training",
-            "epochs_run": len(history), "best_epoch": best_epoch, "steps": step, "lr": self.lr,
-            "val_history": history, "train_s": round(train_s, 3), "step_s": round(step_s, 3),
+            "epochs_run": len(run.history), "best_epoch": run.best_epoch, "steps": run.steps, "lr": tried[-1],
+            "lr_tried": [float(f"{x:.6g}") for x in tried], "val_history": run.history, "train_s": round(train_s, 3),
+            "step_s": round(self.step_s, 3),
             "train_gflop": (round(self.sample_flops * self.samples_seen / 1e9, 3) if self.sample_flops is not None
                             else "not counted"),
             "device_working_set": self.working_set or {},
         }
+
+    def _attempt(self, lr: float, watch: torch.Tensor, before: dict[str, float], start, gen: torch.Generator,
+                 progress: Callable[[str], None], last: bool) -> _Run:
+        """Up to cfg.epochs epochs at `lr` from the starting weights `start` (a snapshot); stops after
+        the first epoch when it is no better than `before` and another try follows (not `last`)."""
+        cfg, d = self.cfg, self.data
+        self._restore(start)
+        run = _Run(best_state=start, best_eval=before)
+        self.anchor = [p.detach().clone() for p in self.params] if cfg.anchor_decay > 0 else None
+        self.layer.requires_grad_(False)
+        for p in self.params:
+            p.requires_grad_(True)
+        opt = make_adamw(self.params, lr, cfg.weight_decay, self.device)
+        scaler = torch.amp.GradScaler(self.device.type, enabled=amp_dtype(self.device, cfg.precision) is torch.float16)
+        total = max(1, math.ceil(math.ceil(len(d.train_idx) / cfg.batch_size) / cfg.grad_accum)) * cfg.epochs
+        bad = 0
+        for epoch in range(1, cfg.epochs + 1):
+            order = d.train_idx[torch.randperm(len(d.train_idx), generator=gen)]
+            t_steps = time.perf_counter()
+            run.steps = self._epoch(order, opt, scaler, run.steps, total, int(total * cfg.warmup_fraction), gen, lr)
+            devices.synchronize(self.device)  # once an epoch: the steps' own time, for the throughput
+            self.step_s += time.perf_counter() - t_steps
+            current = self.evaluate(watch)
+            val = current["loss"]
+            run.history.append(round(val, 6))
+            progress(f"lr {lr:.2g} epoch {epoch} val {val:.4g} (start {before['loss']:.4g})")
+            if val < run.best_eval["loss"]:
+                run.best_state, run.best_epoch, bad, run.best_eval = self._snapshot(), epoch, 0, current
+            elif not run.best_epoch and not last:
+                break  # the step is too large here: the next try starts over at a smaller one
+            else:
+                bad += 1
+                if len(d.val_idx) and bad >= cfg.patience:
+                    break
+        self.anchor = None
+        return run
+
+
+@dataclass
+class _Run:
+    """One try of LayerTrainer.fit at one learning rate: the best state seen (the start until an
+    epoch beats it), its epoch (0: the start) and evaluation, the held-out loss after each epoch."""
+
+    best_state: Any
+    best_eval: dict[str, float]
+    best_epoch: int = 0
+    steps: int = 0
+    history: list[float] = field(default_factory=list)
