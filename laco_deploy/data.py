@@ -54,6 +54,17 @@ def builtin_files(spec: str, role: str) -> list[Path]:
     return []
 
 
+def fingerprint(spec: str, role: str) -> str:
+    """Content hash of the texts `spec` reads for `role` (builtin files, a file or folder; other specs
+    by name), for the reuse key of build stages and resumed walks."""
+    from laco_deploy.fsutil import sha256_tree
+
+    if files := builtin_files(spec, role):
+        return ":".join(sha256_tree(f) for f in files)
+    path = Path(spec).expanduser()
+    return sha256_tree(path) if path.exists() else f"spec:{spec}"
+
+
 def _domains_dir() -> Path:
     return Path(str(resources.files("laco_deploy").joinpath("data", "domains")))
 

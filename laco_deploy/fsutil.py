@@ -328,12 +328,29 @@ def write_text(path: Path, text: str) -> None:
         tmp.write_text(text)
 
 
+_HASHES: dict[tuple, str] = {}  # this process's file hashes by (path, inode, size, mtime): a build hashes its model once
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+    st = os.stat(path)
+    seen = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    if seen not in _HASHES:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                h.update(block)
+        _HASHES[seen] = h.hexdigest()
+    return _HASHES[seen]
+
+
+def reuse_key(settings: dict[str, Any], inputs: dict[str, Any]) -> str:
+    """The one reuse key: a hash of the settings, the inputs' content hashes and the laco-deploy
+    version. A build stage is reused (stagecache.StageCache) and a walk's layer checkpoints are
+    resumed (engine.checkpoint, from prune and compensate) only when it matches."""
+    from laco_deploy import __version__
+
+    return hashlib.sha256(json.dumps({"settings": settings, "inputs": inputs, "version": __version__},
+                                     sort_keys=True, default=str).encode()).hexdigest()
 
 
 def sha256_tree(path: Path) -> str:

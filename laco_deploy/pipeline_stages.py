@@ -14,21 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from laco_deploy.config import BuildConfig, to_dict
-from laco_deploy.fsutil import sha256_tree
 from laco_deploy.stagecache import Output, StageCache
 from laco_deploy.targets import TARGETS
 
 log = logging.getLogger(__name__)
 STAGES = ("prune", "compensate", "export", "fidelity", "bench")
-
-
-def data_fingerprint(spec: str, role: str) -> str:
-    from laco_deploy.data import builtin_files
-
-    if files := builtin_files(spec, role):
-        return ":".join(sha256_tree(f) for f in files)
-    path = Path(spec).expanduser()
-    return sha256_tree(path) if path.exists() else f"spec:{spec}"
 
 
 @dataclasses.dataclass
@@ -85,6 +75,9 @@ class BuildRecipe:
         self.cfg, self.cache, self.device = cfg, cache, device
         self.target = TARGETS[cfg.export.target]
         self.layout = Layout(cache.root, self.target.name, cfg.export.resolved_quant)
+        # the build's one "no recovery" decision: the recovered model's label, None when recovery is off
+        # (then compensate passes the pruned model on, and export, fidelity and bench have one model less)
+        self.recovery = None if cfg.compensate.method == "none" else cfg.compensate.method
 
     def run(self) -> bool:
         """Every stage in order; -> whether every quality gate passed."""
@@ -98,12 +91,13 @@ class BuildRecipe:
 
     def sources(self) -> dict[str, Output]:
         """Fingerprints of what the build reads from outside its folder: model, texts, task files."""
+        from laco_deploy import data
         from laco_deploy.models import source_fingerprint
 
         cfg, cache = self.cfg, self.cache
         src = {"model": cache.source("model", source_fingerprint(cfg.model.model)),
-               "calib": cache.source("calib", data_fingerprint(cfg.data.calib, "calib")),
-               "eval": cache.source("eval", data_fingerprint(cfg.data.eval, "eval"))}
+               "calib": cache.source("calib", data.fingerprint(cfg.data.calib, "calib")),
+               "eval": cache.source("eval", data.fingerprint(cfg.data.eval, "eval"))}
         if cfg.fidelity.tasks:  # zero-shot task files and their data: editing one reruns fidelity
             from laco_deploy.fidelity.tasks import tasks_fingerprint
 
@@ -124,7 +118,7 @@ class BuildRecipe:
     def compensate(self, src: dict[str, Output], pruned: Output) -> Output:
         """The recovered model, or the pruned one when recovery is off."""
         cfg = self.cfg
-        if cfg.compensate.method == "none":
+        if self.recovery is None:
             return pruned
         from laco_deploy.compensate import run as compensate
 
@@ -143,7 +137,7 @@ class BuildRecipe:
         cfg, lay, target = self.cfg, self.layout, self.target
         dense_dir = local_model_dir(cfg.model.model)
         inputs = {"dense": src["model"], "pruned": pruned}
-        if recovered != pruned:
+        if self.recovery is not None:
             sources = {"dense": dense_dir, "pruned": pruned.path, "model": recovered.path}
             inputs["recovered"] = recovered
         else:
@@ -176,8 +170,8 @@ class BuildRecipe:
 
         cfg = self.cfg
         candidates = {"pruned": pruned}
-        if recovered != pruned:
-            candidates[cfg.compensate.method] = recovered
+        if self.recovery is not None:
+            candidates[self.recovery] = recovered
         candidates[f"{self.target.name}-{self.layout.quant}"] = exported["model"]
         settings = {"data": _eval(cfg.data), "fidelity": to_dict(cfg.fidelity)}
         # the dense model's own export, scored on the same windows: do PyTorch and the runtime agree?
@@ -200,9 +194,9 @@ class BuildRecipe:
         cfg, target = self.cfg, self.target
         out = self.layout.root / "bench.json"
         models = {"dense": exported["dense"].path}
-        if "pruned" in exported:
+        if self.recovery is not None:
             models["pruned"] = exported["pruned"].path
-        models[cfg.compensate.method if cfg.compensate.method != "none" else "pruned"] = exported["model"].path
+        models[self.recovery or "pruned"] = exported["model"].path
         settings = {"bench": to_dict(cfg.bench), "eval": cfg.data.eval}
 
         def run():

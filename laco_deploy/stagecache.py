@@ -11,15 +11,14 @@ memory), so a killed build leaves a manifest of the stages that finished.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Union
 
-from laco_deploy import __version__, distributed
-from laco_deploy.fsutil import is_marked, sha256_tree, write_json
+from laco_deploy import distributed
+from laco_deploy.fsutil import is_marked, reuse_key, sha256_tree, write_json
 from laco_deploy.memory import measure, release_memory
 
 log = logging.getLogger(__name__)
@@ -117,8 +116,7 @@ class StageCache:
         `main_only`: a stage that is not split over torchrun ranks (export, bench) runs on rank 0
         while the others wait; every rank then reads the same outputs."""
         hashes = self._resolve(inputs)
-        key = hashlib.sha256(json.dumps({"settings": settings, "inputs": hashes, "version": __version__},
-                                        sort_keys=True, default=str).encode()).hexdigest()
+        key = reuse_key(settings, hashes)
         handles = {label: Output(name, label, Path(p)) for label, p in outputs.items()}
         old = self.manifest["stages"].get(name)
         if distributed.agree(bool(old and old.get("key") == key and self._outputs_intact(old))):

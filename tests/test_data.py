@@ -124,9 +124,9 @@ def test_builtin_mixed_samples_draw_from_both_halves(bpe_tokenizer):
 
 
 def test_builtin_mixed_reuse_key_hashes_both_files():
-    from laco_deploy.pipeline_stages import data_fingerprint
+    from laco_deploy.data import fingerprint
 
-    mixed, wiki = data_fingerprint("builtin:mixed", "calib"), data_fingerprint("builtin", "calib")
+    mixed, wiki = fingerprint("builtin:mixed", "calib"), fingerprint("builtin", "calib")
     assert mixed.startswith(wiki + ":") and len(mixed) == 2 * len(wiki) + 1
 
 

@@ -27,8 +27,8 @@ from laco_deploy.compensate.record import config_summary, result_record, sparsit
 from laco_deploy.compensate.train import amp_dtype, resolve_precision
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
-from laco_deploy.fsutil import atomic_dir
-from laco_deploy.models import check_source, resolve_device
+from laco_deploy.fsutil import atomic_dir, reuse_key, sha256_tree
+from laco_deploy.models import check_source, resolve_device, source_fingerprint
 from laco_deploy.throughput import matmul_gflops
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,9 @@ def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: Compensate
         check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=trust, seqlen=data_cfg.seqlen)
         check_source(str(sparse_dir), trust_remote_code=trust)
         data_mod.check_texts(data_cfg.calib, "calib")
+    if comp_cfg.method == "lora" and distributed.world() > 1:
+        raise ConfigError("compensate.method lora trains the whole model in one process and is not split over torchrun "
+                          "ranks; run it without torchrun (or set compensate.method to laco)")
 
 
 def check_compatible(dense_cfg: Any, sparse_cfg: Any, dense_dir: str, sparse_dir: Path) -> None:
@@ -81,14 +84,14 @@ def _page_in(*models) -> None:
             p.sum()
 
 
-def _fingerprint(model_cfg, data_cfg, comp_cfg, budget: Budget, sparse_dir: Path) -> dict:
-    """What must match for --resume: sources (config + weight file sizes/times), data, settings."""
-    weights = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sparse_dir.glob("*.safetensors"))
-    fp = {"stage": "compensate", "dense": model_cfg.model, "sparse": str(sparse_dir.resolve()),
-          "sparse_config": (sparse_dir / "config.json").read_text(), "sparse_weights": weights,
-          "data": {"calib": data_cfg.calib, "seed": data_cfg.seed, "sample_format": data_mod.SAMPLE_FORMAT}, "budget": to_dict(budget),
-          "compensate": to_dict(comp_cfg)}
-    return json.loads(json.dumps(fp))
+def _resume_key(model_cfg, data_cfg, comp_cfg, budget: Budget, sparse_dir: Path) -> dict:
+    """What must match for --resume: the reuse key of build stages (fsutil.reuse_key) over the
+    settings and the content hashes of the dense and pruned models and the texts."""
+    settings = {"data": {"calib": data_cfg.calib, "seed": data_cfg.seed, "sample_format": data_mod.SAMPLE_FORMAT},
+                "budget": to_dict(budget), "compensate": to_dict(comp_cfg)}
+    inputs = {"dense": source_fingerprint(model_cfg.model), "pruned": sha256_tree(sparse_dir),
+              "calib": data_mod.fingerprint(data_cfg.calib, "calib")}
+    return {"stage": "compensate", "key": reuse_key(settings, inputs)}
 
 
 def _copy_only(sparse_dir: Path, out_dir: Path, comp_cfg: CompensateConfig) -> ModelDirResult:
@@ -105,17 +108,8 @@ def _copy_only(sparse_dir: Path, out_dir: Path, comp_cfg: CompensateConfig) -> M
                           wall_s=round(time.perf_counter() - t0, 3), notes=["method none: pruned model copied unchanged"])
 
 
-def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path, out_dir: Path, *,
-        resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
-    """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`."""
-    sparse_dir, out_dir = Path(sparse_dir), Path(out_dir)
-    _validate(model_cfg, data_cfg, comp_cfg, sparse_dir)
-    if comp_cfg.method == "lora" and distributed.world() > 1:
-        raise ConfigError("compensate.method lora trains the whole model in one process and is not split over torchrun "
-                          "ranks; run it without torchrun (or set compensate.method to laco)")
-    if comp_cfg.method == "none":
-        return _copy_only(sparse_dir, out_dir, comp_cfg)
-    device = device if device is not None else resolve_device(model_cfg.device)
+def _plan(comp_cfg: CompensateConfig, data_cfg: DataConfig, device: torch.device, sparse_dir: Path):
+    """The budget, precision and step size this run uses; -> (settings with them, budget, step plan)."""
     budget = resolve_budget(comp_cfg, data_cfg, device)
     comp_cfg = dataclasses.replace(comp_cfg, precision=resolve_precision(comp_cfg.precision, device))
     train_samples = budget.samples - int(budget.samples * comp_cfg.val_fraction)  # as split_indices holds out
@@ -125,6 +119,18 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     log.info("training steps: %s", step_plan.reason)
     log.info("training computes in %s%s", comp_cfg.precision,
              "" if comp_cfg.precision == "fp32" else " (autocast; weights, optimizer state and activations stay fp32)")
+    return comp_cfg, budget, step_plan
+
+
+def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path, out_dir: Path, *,
+        resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
+    """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`."""
+    sparse_dir, out_dir = Path(sparse_dir), Path(out_dir)
+    _validate(model_cfg, data_cfg, comp_cfg, sparse_dir)
+    if comp_cfg.method == "none":
+        return _copy_only(sparse_dir, out_dir, comp_cfg)
+    device = device if device is not None else resolve_device(model_cfg.device)
+    comp_cfg, budget, step_plan = _plan(comp_cfg, data_cfg, device, sparse_dir)
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
     ckpt = checkpoint_dir(out_dir)
     run_cfg = streamed.resolve_offload(comp_cfg, sparse_dir, budget.samples * budget.seqlen)
@@ -145,7 +151,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     meter.next()
     t0 = time.perf_counter()
     if comp_cfg.method == "laco":
-        fp = _fingerprint(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
+        fp = _resume_key(model_cfg, data_cfg, comp_cfg, budget, sparse_dir)
         guard = ModelGuard(restore_layers_from(sparse_dir))
         records, final_kl = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
                                   checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter,

@@ -28,7 +28,7 @@ from laco_deploy.config import (
 )
 from laco_deploy.engine import Lane, LayerCheckpoints, LazyModel, WalkOptions, capture_inputs, walk_layers
 from laco_deploy.errors import ConfigError
-from laco_deploy.fsutil import mark_folder
+from laco_deploy.fsutil import mark_folder, reuse_key
 from laco_deploy.memory import measure
 from laco_deploy.models import (
     HUB,
@@ -40,6 +40,7 @@ from laco_deploy.models import (
     resolve_device,
     resolve_source,
     save_model,
+    source_fingerprint,
 )
 from laco_deploy.prune import owl, record, step, structural
 
@@ -60,11 +61,12 @@ def _calibration_record(data_cfg: DataConfig) -> dict:
             "sample_format": data_mod.SAMPLE_FORMAT}
 
 
-def _fingerprint(ident: str, data_cfg: DataConfig, prune_cfg: PruneConfig) -> dict:
-    """What must match for --resume to reuse checkpoints (JSON-normalised: tuples become lists)."""
-    fp = {"stage": "prune", "model": ident, "data": _calibration_record(data_cfg),
-          "prune": to_dict(prune_cfg)}
-    return json.loads(json.dumps(fp))
+def _resume_key(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig) -> dict:
+    """What must match for --resume to reuse checkpoints: the reuse key of build stages
+    (fsutil.reuse_key) over the settings and the content hashes of the model and the texts."""
+    settings = {"data": _calibration_record(data_cfg), "prune": to_dict(prune_cfg)}
+    inputs = {"model": source_fingerprint(model_cfg.model), "calib": data_mod.fingerprint(data_cfg.calib, "calib")}
+    return {"stage": "prune", "key": reuse_key(settings, inputs)}
 
 
 def _make_step(prune_cfg: PruneConfig, ratios: list[float]):
@@ -79,7 +81,6 @@ class _Source:
     model: Any  # transformers causal LM (on `meta` except non-layer weights when lazy)
     tokenizer: Any
     source: str  # what the user passed
-    ident: str  # the local directory the weights come from (resume fingerprint)
     lazy: LazyModel | None  # set with --offload disk: layers streamed from safetensors
 
 
@@ -88,7 +89,7 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
     if offload != "disk":
         loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle,
                             trust_remote_code=model_cfg.trust_remote_code)
-        return _Source(loaded.model, loaded.tokenizer, loaded.source, str(loaded.path or loaded.source), None)
+        return _Source(loaded.model, loaded.tokenizer, loaded.source, None)
     from transformers import AutoTokenizer
 
     source = resolve_source(model_cfg.model)
@@ -99,7 +100,7 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
     lazy = LazyModel.open(path, spill_dir=distributed.rank_dir(ckpt / "spill"), rest=False)
     check_architecture(lazy.model.config)
     tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-    return _Source(lazy.model, tok, model_cfg.model, str(path), lazy)
+    return _Source(lazy.model, tok, model_cfg.model, lazy)
 
 
 def _dense_numel(model) -> dict[str, int]:
@@ -141,7 +142,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
         ids = data_mod.calibration_samples(src.tokenizer, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)
         mark_folder(ckpt)  # marked as ours: a rerun may resume or clear it
         dense_numel = _dense_numel(src.model)
-        records, ratios = _prune_layers(src, ids, prune_cfg, _fingerprint(src.ident, data_cfg, prune_cfg), ckpt,
+        records, ratios = _prune_layers(src, ids, prune_cfg, _resume_key(model_cfg, data_cfg, prune_cfg), ckpt,
                                         resume=resume, device=device)
         overall = record.summarize(records, dense_numel)
         if prune_cfg.structured is not None:
