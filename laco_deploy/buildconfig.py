@@ -21,11 +21,21 @@ from typing import Any
 
 import yaml
 
-from laco_deploy.config import IMATRIX_CALIB, BuildConfig, sparsity_conflicts
+from laco_deploy.config import IMATRIX_CALIB, BuildConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.targets import TARGETS
 
 log = logging.getLogger(__name__)
+
+
+def sparsity_conflicts(given: dict) -> list[str]:
+    """prune.sparsity given together with prune.pattern or prune.structured, which set the share of
+    zeros themselves (`given`: the prune settings the user set; None = not set)."""
+    other = [f"prune.{k} {given[k]}" for k in ("pattern", "structured") if given.get(k) is not None]
+    if given.get("sparsity") is None or not other:
+        return []
+    return [f"prune.sparsity {given['sparsity']} is not used with {' and '.join(other)}, which "
+            f"{'set' if len(other) > 1 else 'sets'} the share of zeros (2:4 zeroes 50%); drop one of them"]
 
 
 def _section_types() -> dict[str, type]:

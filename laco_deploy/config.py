@@ -140,16 +140,6 @@ class PruneConfig:
         return errs
 
 
-def sparsity_conflicts(given: dict) -> list[str]:
-    """prune.sparsity given together with prune.pattern or prune.structured, which set the share of
-    zeros themselves (`given`: the prune settings the user set; None = not set)."""
-    other = [f"prune.{k} {given[k]}" for k in ("pattern", "structured") if given.get(k) is not None]
-    if given.get("sparsity") is None or not other:
-        return []
-    return [f"prune.sparsity {given['sparsity']} is not used with {' and '.join(other)}, which "
-            f"{'set' if len(other) > 1 else 'sets'} the share of zeros (2:4 zeroes 50%); drop one of them"]
-
-
 @dataclass(frozen=True)
 class CompensateConfig:
     # Defaults picked by measurement (benchmarks/compensate_sweep.py, Wanda 50% SmolLM2-135M, 32 x 128
@@ -224,9 +214,8 @@ class CompensateConfig:
 
     @property
     def needs_dense_layer(self) -> bool:
-        """Whether the LaCo step runs the dense twin itself (the sub-block loss, the least-squares refit)
-        or reads its inputs (dense_input_mix); else it reads only the twin's outputs, so a streamed twin
-        leaves memory before training and the outputs overwrite the inputs (engine.walk)."""
+        """Whether the LaCo step runs the dense twin (sub-block loss, least-squares refit) or reads its
+        inputs (dense_input_mix); else a streamed twin leaves before training (engine.walk)."""
         return self.loss == "subblock" or self.init == "lsq" or self.dense_input_mix > 0
 
     def validate(self) -> list[str]:
@@ -268,6 +257,10 @@ class CompensateConfig:
             errs.append(f"compensate.samples {self.samples} must be at least 1")
         if self.patience < 1:
             errs.append(f"compensate.patience {self.patience} must be at least 1")
+        return errs + self._option_errors()
+
+    def _option_errors(self) -> list[str]:
+        errs = []
         if self.lora_rank < 1 or not self.lora_lr > 0:
             errs.append(f"compensate.lora_rank {self.lora_rank} must be at least 1 and compensate.lora_lr {self.lora_lr} positive")
         if self.offload not in ("cpu", "disk"):

@@ -16,7 +16,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,12 +23,11 @@ from typing import Any
 
 import torch
 
-from laco_deploy import families, modelcheck
-from laco_deploy import distributed
+from laco_deploy import distributed, families, modelcheck, structured
 from laco_deploy.artifacts import SOURCE_FILE
 from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
-from laco_deploy.fsutil import atomic_dir
+from laco_deploy.fsutil import atomic_dir, sha256_tree
 from laco_deploy.progress import library_bar
 
 log = logging.getLogger(__name__)
@@ -227,8 +225,6 @@ def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
     except (ValueError, OSError, json.JSONDecodeError) as e:
         raise ModelError(f"cannot read {path / 'config.json'}: {e}") from e
     check_architecture(config)
-    from laco_deploy import structured  # per-layer widths of structured-pruned models
-
     try:
         if structured.has_layer_widths(config):
             model = structured.load_structured(path, config)
@@ -371,8 +367,6 @@ def linear_modules(layer, targets) -> dict[str, torch.nn.Linear]:
     return out
 
 
-
-
 def with_provenance(source_dir: str | Path | None, extra_files: dict[str, str] | None) -> dict[str, str]:
     """`extra_files` plus the source's laco_source.json, so provenance follows the weights from stage to stage."""
     files = dict(extra_files or {})
@@ -396,13 +390,7 @@ def save_model(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | No
             (tmp / name).write_text(text)
 
 
-def remove_tree(path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def source_fingerprint(spec: str) -> str:
     """Content hash of a model source, for manifests and stage reuse (hub ids hash their snapshot)."""
-    from laco_deploy.fsutil import sha256_tree
-
     source = resolve_source(spec)
     return sha256_tree(source.path if source.path is not None else local_dir(source))

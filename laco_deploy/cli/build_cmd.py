@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -61,12 +61,7 @@ def build_command(
 
     Unchanged stages are reused on a rerun; --resume continues a killed one. Exits 1 when a gate fails (the reports are still written).
     """
-    from laco_deploy.buildconfig import merge, read_config_file
     from laco_deploy.fidelity.tasks import parse_task_list
-    from laco_deploy.pipeline import build, check_inputs
-    from laco_deploy.presets import layer, preset_values
-    from laco_deploy.stagecache import is_build_folder
-    from laco_deploy.summary import summary_lines
 
     overrides = {
         "export.target": target, "model.model": model, "prune.method": method, "prune.sparsity": sparsity,
@@ -79,12 +74,31 @@ def build_command(
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
         "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,
     }
+    _build(_settings(config, preset, overrides), preset, as_json)
+
+
+def _settings(config: Path | None, preset: str | None, overrides: dict[str, Any]) -> BuildConfig:
+    """The build's settings (preset < config file < flags), checked with its inputs before the build
+    folder and its log exist: a bad input leaves nothing behind."""
+    from laco_deploy.buildconfig import merge, read_config_file
+    from laco_deploy.pipeline import check_inputs
+    from laco_deploy.presets import layer, preset_values
+    from laco_deploy.stagecache import is_build_folder
+
     file_values = read_config_file(config) if config else {}
     if preset is not None:  # under the file and the flags, like a config file of its own
         file_values = layer(preset_values(preset), file_values, {k for k, v in overrides.items() if v is not None})
     cfg = merge(file_values, overrides)
     check_output(Path(cfg.out), "--out", kind="into", made_here=is_build_folder)
-    check_inputs(cfg)  # before the build folder and its log exist: a bad input leaves nothing behind
+    check_inputs(cfg)
+    return cfg
+
+
+def _build(cfg: BuildConfig, preset: str | None, as_json: bool) -> None:
+    """Run the build into its folder, logging to build.log; print the summary; a failed gate exits 1."""
+    from laco_deploy.pipeline import build
+    from laco_deploy.summary import summary_lines
+
     mark_folder(Path(cfg.out))
     with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
         log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
@@ -65,6 +66,13 @@ def check_model_out(out, force: bool) -> None:
 
     check_output(out, "--out", force=force, force_option="--force")
     check_scratch(checkpoint_dir(out), "--out")
+
+
+def section_from_flags(cls: type, flags: dict[str, Any]) -> Any:
+    """A settings section from a command's flags that are named as its fields (`--lr` -> lr, the
+    convention cli/flags.py records the exceptions of); the command's other flags are not its."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in flags.items() if k in names})
 
 
 def model_config(model: str, device: str, allow_pickle: bool, trust_remote_code: bool = False) -> ModelConfig:

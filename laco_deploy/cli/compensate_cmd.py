@@ -21,6 +21,7 @@ from laco_deploy.cli.common import (
     check_model_out,
     console,
     model_config,
+    section_from_flags,
 )
 from laco_deploy.config import LOSSES, CompensateConfig, DataConfig, ModelConfig
 from laco_deploy.fsutil import check_output
@@ -94,15 +95,14 @@ def compensate_command(
     Only one decoder layer and its dense twin are on the device at a time; activations stay in RAM
     or on disk. The sparsity pattern is kept bit-exactly.
     """
-    mcfg = model_config(dense, device, False, trust_remote_code)
-    dcfg = DataConfig(calib=calib, samples=samples if samples is not None else _D.samples, seqlen=seqlen, seed=seed)
-    ccfg = CompensateConfig(method=method, loss=loss, epochs=epochs, lr=lr, lr_last_factor=lr_last_factor,
-                            batch_size=batch_size, device_caches=device_caches, grad_accum=grad_accum, train_norms=train_norms,
-                            trainable=trainable, correction_rank=correction_rank,
-                            anchor_decay=anchor_decay, dense_input_mix=dense_input_mix, quant_aware=quant_aware, precision=precision,
-                            final_kl_epochs=final_kl_epochs, final_kl_lr=final_kl_lr, final_kl_optimizer=final_kl_optimizer,
-                            final_kl_samples=final_kl_samples, val_fraction=val_fraction, patience=patience, lora_rank=lora_rank, lora_lr=lora_lr,
-                            offload=offload, samples=samples)
+    flags = dict(locals())  # first: the flags only
+    _run(model_config(dense, device, False, trust_remote_code),
+         DataConfig(calib=calib, samples=samples if samples is not None else _D.samples, seqlen=seqlen, seed=seed),
+         section_from_flags(CompensateConfig, flags), sparse, out, resume=resume, force=force, json_out=json_out)
+
+
+def _run(mcfg: ModelConfig, dcfg: DataConfig, ccfg: CompensateConfig, sparse: Path, out: Path, *, resume: bool,
+         force: bool, json_out: Path | None) -> None:
     check(dcfg.validate() + ccfg.validate())
     check_model_out(out, force)
     from laco_deploy.artifacts import ModelDirResult

@@ -27,7 +27,8 @@ from laco_deploy.cli.common import (
     data_config,
     model_config,
 )
-from laco_deploy.config import PRUNABLE_LINEARS, PRUNE_METHODS, DataConfig, ModelConfig, PruneConfig, sparsity_conflicts
+from laco_deploy.buildconfig import sparsity_conflicts
+from laco_deploy.config import PRUNABLE_LINEARS, PRUNE_METHODS, DataConfig, ModelConfig, PruneConfig
 
 _P, _D, _M = PruneConfig(), DataConfig(), ModelConfig()
 

@@ -166,14 +166,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
         cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),
                          sizing.weight_bytes(sparse_model), devices.traits(device), cfg.needs_dense_layer).apply(cfg)
     mark_folder(checkpoint_dir)  # marked as ours: a rerun may resume or clear it
-    skip = (distill.skip_reason(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None)
-            if kl_samples else None)
-    if not distributed.agree(skip is None):  # rank 0 decides: every rank must run the same collectives
-        skip = skip or "rank 0 skips it"
-    if skip is not None:
-        log.warning("the final KL pass on the dense logits is skipped: %s (set compensate.final_kl_epochs 0 "
-                    "to silence this)", skip)
-        kl_samples = 0
+    kl_samples = _final_pass_samples(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None, kl_samples)
     walk_samples = input_ids.shape[0] - kl_samples
     # torchrun: each rank embeds and walks its own shard of the walk's samples (and of the pass's)
     shard = distributed.shard(walk_samples)
@@ -190,10 +183,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     step = make_step(cfg, targets, split, seed, meter, shard, scratch)
     kl_ids = input_ids[walk_samples:]
     held = _Held.of(walk_ids, shard, split, kl_ids, cfg, seed)
-    if guard is not None and (layer_loader is not None or not len(held.idx)):
-        log.info("the model-level guard against the pruned model is off: %s",
-                 "the model is streamed from disk" if layer_loader is not None else "no held-out samples")
-        guard = None
+    guard = _guard_on(guard, layer_loader is not None, held)
     if guard is not None:
         guard.capture(sparse_model, held.ids, held.rows, device, cfg.batch_size)
     # propagation (dense targets, next layer's inputs) in bf16 where training is: fp16's range can
@@ -218,6 +208,29 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     if guard is not None and teacher is not None:
         guard.check(sparse_model, held.ids, held.rows, len(held.idx), teacher, device, cfg.batch_size)
     return records, final
+
+
+def _final_pass_samples(sparse_model, cfg: CompensateConfig, seqlen: int, device: torch.device, streamed: bool,
+                        kl_samples: int) -> int:
+    """The final KL pass's samples, 0 where it is skipped (rank 0 decides: every rank must run the
+    same collectives)."""
+    skip = distill.skip_reason(sparse_model, cfg, seqlen, device, streamed) if kl_samples else None
+    if not distributed.agree(skip is None):
+        skip = skip or "rank 0 skips it"
+    if skip is None:
+        return kl_samples
+    log.warning("the final KL pass on the dense logits is skipped: %s (set compensate.final_kl_epochs 0 "
+                "to silence this)", skip)
+    return 0
+
+
+def _guard_on(guard: ModelGuard | None, streamed: bool, held: _Held) -> ModelGuard | None:
+    """The guard, or None (said why) where it cannot run."""
+    if guard is not None and (streamed or not len(held.idx)):
+        log.info("the model-level guard against the pruned model is off: %s",
+                 "the model is streamed from disk" if streamed else "no held-out samples")
+        return None
+    return guard
 
 
 @dataclass(frozen=True)

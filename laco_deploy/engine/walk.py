@@ -102,6 +102,35 @@ class WalkOptions:
 LayerDone = Callable[[int, dict, ActivationCache, "ActivationCache | None"], None]
 
 
+@dataclass
+class _Caches:
+    """The walk's activation caches. Each layer's outputs overwrite its inputs batch by batch (rows
+    are independent): one cache per path, not two; the dense path's inputs only where the step reads
+    them (`dense_in_step`), else its outputs overwrite them too (`dense_in_place`)."""
+
+    sparse: ActivationCache  # sparse-path inputs, then outputs, in place
+    dense_in: ActivationCache | None = None
+    dense_out: ActivationCache | None = None
+    dense_in_place: bool = False
+
+    @classmethod
+    def start(cls, sparse: Lane, dense: Lane | None, dense_in_step: bool) -> _Caches:
+        if dense is None:
+            return cls(sparse.inputs.hidden)
+        if dense.inputs is None:
+            dense_in = sparse.inputs.hidden.clone_empty()
+            dense_in.copy_from(sparse.inputs.hidden)  # both paths start from the same embeddings
+        else:
+            dense_in = dense.inputs.hidden
+        in_place = not dense_in_step
+        return cls(sparse.inputs.hidden, dense_in, dense_in if in_place else dense_in.clone_empty(), in_place)
+
+    def next_layer(self) -> None:
+        """The dense outputs become the next layer's inputs (in place: they already are)."""
+        if self.dense_in is not None and not self.dense_in_place:
+            self.dense_in, self.dense_out = self.dense_out, self.dense_in
+
+
 def walk_layers(
     sparse: Lane,
     step: Callable[[LayerContext], dict | None] | None,
@@ -126,61 +155,60 @@ def walk_layers(
     if sparse.inputs is None:
         raise ValueError("the sparse lane needs its layer-0 inputs")
     dense = dense if paths is Paths.BOTH else None
-    layers = decoder_layers(sparse.model)
-    dense_layers = decoder_layers(dense.model) if dense is not None else None
+    n = len(decoder_layers(sparse.model))
     if checkpoints is not None:
         checkpoints.prepare()
-    device = opts.device
-    kwargs = sparse.inputs.kwargs_per_layer(len(layers), device)
-    sparse_in = sparse.inputs.hidden
-    dense_in = None
-    if dense is not None:
-        if dense.inputs is None:
-            dense_in = sparse_in.clone_empty()
-            dense_in.copy_from(sparse_in)  # both paths start from the same embeddings
-        else:
-            dense_in = dense.inputs.hidden
-    # each layer's outputs overwrite its inputs batch by batch (rows are independent): one cache per
-    # path, not two; the dense path's inputs only where the step reads them (dense_in_step)
-    dense_in_place = dense_in is not None and not dense_in_step
-    sparse_out = sparse_in
-    dense_out = (dense_in if dense_in_place else dense_in.clone_empty()) if dense_in is not None else None
+    kwargs = sparse.inputs.kwargs_per_layer(n, opts.device)
+    caches = _Caches.start(sparse, dense, dense_in_step)
+    early_release = not dense_in_step  # a streamed twin leaves as soon as its targets are made (_walk_one)
     records: list[dict] = []
-    bar = progress_bar(range(len(layers)), desc=opts.desc or "layers", unit="layer")
+    bar = progress_bar(range(n), desc=opts.desc or "layers", unit="layer")
     for i in bar:
-        bar.set_description(f"layer {i + 1}/{len(layers)} {opts.desc}".strip(), refresh=interactive())
-        if sparse.loader is not None:
-            sparse.loader.load(i, layers[i])
-        if dense is not None and dense.loader is not None:
-            dense.loader.load(i, dense_layers[i])
-        layer = layers[i].to(device)
-        dense_layer = dense_layers[i].to(device) if dense is not None else None
-        ctx = LayerContext(i, len(layers), layer, sparse_in, kwargs[i], device, opts.batch_size, dense_layer,
-                           None if dense_in_place else dense_in, dense_out, progress=lambda s: set_status(bar, s),
-                           autocast=opts.autocast)
-        if dense_layer is not None:
-            ctx.run(dense_layer, dense_in, dense_out)
-            if not dense_in_step and dense.loader is not None:
-                dense_layers[i].to("cpu")
-                dense.loader.release(i, dense_layers[i])
-                dense_layer = ctx.dense_layer = None
-        record = checkpoints.restore(i, layer, device) if checkpoints is not None else None
-        if record is None:
-            record = (step(ctx) if step is not None else None) or {}
-            if checkpoints is not None:
-                checkpoints.save(i, layer, record)
+        bar.set_description(f"layer {i + 1}/{n} {opts.desc}".strip(), refresh=interactive())
+        record = _walk_one(i, sparse, dense, caches, kwargs[i], step, opts, checkpoints, early_release,
+                           progress=lambda s: set_status(bar, s))
         records.append(record)
-        ctx.run(layer, sparse_in, sparse_out)
         if on_layer_done is not None:
-            on_layer_done(i, record, sparse_out, dense_out)
-        layers[i].to("cpu")
-        if sparse.loader is not None:
-            sparse.loader.release(i, layers[i])
-        if dense_layer is not None:
-            dense_layers[i].to("cpu")
-            if dense.loader is not None:
-                dense.loader.release(i, dense_layers[i])
-        if dense_in is not None and not dense_in_place:
-            dense_in, dense_out = dense_out, dense_in
+            on_layer_done(i, record, caches.sparse, caches.dense_out)
+        _release_layer(i, sparse)
+        if dense is not None and not (early_release and dense.loader is not None):
+            _release_layer(i, dense)
+        caches.next_layer()
     bar.close()
     return records
+
+
+def _walk_one(i: int, sparse: Lane, dense: Lane | None, caches: _Caches, kwargs: dict[str, Any], step, opts: WalkOptions,
+              checkpoints: LayerCheckpoints | None, early_release: bool, progress: Callable[[str], None]) -> dict:
+    """Layer i: the dense twin's outputs, the step (or its checkpoint), then the sparse outputs."""
+    layer = _load(i, sparse).to(opts.device)
+    dense_layer = _load(i, dense).to(opts.device) if dense is not None else None
+    ctx = LayerContext(i, len(decoder_layers(sparse.model)), layer, caches.sparse, kwargs, opts.device, opts.batch_size,
+                       dense_layer, None if caches.dense_in_place else caches.dense_in, caches.dense_out,
+                       progress=progress, autocast=opts.autocast)
+    if dense_layer is not None:
+        ctx.run(dense_layer, caches.dense_in, caches.dense_out)
+        if early_release and dense.loader is not None:  # the step reads the targets only: release the twin now
+            _release_layer(i, dense)
+            ctx.dense_layer = None
+    record = checkpoints.restore(i, layer, opts.device) if checkpoints is not None else None
+    if record is None:
+        record = (step(ctx) if step is not None else None) or {}
+        if checkpoints is not None:
+            checkpoints.save(i, layer, record)
+    ctx.run(layer, caches.sparse, caches.sparse)
+    return record
+
+
+def _load(i: int, lane: Lane) -> torch.nn.Module:
+    layer = decoder_layers(lane.model)[i]
+    if lane.loader is not None:
+        lane.loader.load(i, layer)
+    return layer
+
+
+def _release_layer(i: int, lane: Lane) -> None:
+    layer = decoder_layers(lane.model)[i]
+    layer.to("cpu")
+    if lane.loader is not None:
+        lane.loader.release(i, layer)

@@ -31,8 +31,8 @@ from laco_deploy.data import check_texts, eval_domains, evaluation_windows, in_d
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
-from laco_deploy.fidelity.layerwise import LayerCurves
 from laco_deploy.fidelity.provenance import input_hash, tokens_hash, versions
+from laco_deploy.fidelity.sums import Stats
 from laco_deploy.fidelity.tasks import load_tasks
 from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
 from laco_deploy.fidelity.verdicts import runtime_agreement
@@ -64,92 +64,6 @@ class FidelityResult(Artifact):
     schema_version: int = SCHEMA_VERSION
 
 
-class _DomainSums:
-    """Sums of one candidate over the windows of one evaluation domain."""
-
-    def __init__(self) -> None:
-        self.kl_sum = self.nll_sum = 0.0
-        self.top1 = self.tokens = self.nll_count = 0
-
-    def add(self, kl: torch.Tensor, agree: torch.Tensor, nll: torch.Tensor) -> None:
-        self.kl_sum += kl.sum().item()
-        self.top1 += int(agree.sum())
-        self.tokens += kl.numel()
-        self.nll_sum += nll.sum().item()
-        self.nll_count += nll.numel()
-
-    def absorb(self, other: _DomainSums) -> None:
-        """Add the sums of windows scored elsewhere (another rank)."""
-        self.kl_sum += other.kl_sum
-        self.nll_sum += other.nll_sum
-        self.top1 += other.top1
-        self.tokens += other.tokens
-        self.nll_count += other.nll_count
-
-    def metrics(self, dense_ppl: float) -> dict[str, Any]:
-        ppl = M.perplexity(self.nll_sum, self.nll_count)
-        return {"ppl": ppl, "ppl_ratio": ppl / dense_ppl, "kl_mean": self.kl_sum / self.tokens,
-                "top1": self.top1 / self.tokens, "tokens_scored": self.nll_count}
-
-
-class _Stats:
-    """Running per-candidate sums over windows; only per-token KL (one float each) is kept."""
-
-    def __init__(self, runtime: str, curves: LayerCurves | None):
-        self.domains: dict[str, _DomainSums] = {}
-        self.runtime = runtime
-        self.kl: list[torch.Tensor] = []
-        self.top1 = 0
-        self.delta_sum = 0.0
-        self.tokens = 0
-        self.nll_sum = 0.0
-        self.nll_count = 0
-        self.curves = curves
-        self.per_window: list[dict[str, float]] = []
-
-    def add(self, dense: torch.Tensor, cand: torch.Tensor, ids: torch.Tensor, domain: str) -> None:
-        """One window of `domain`: dense and candidate logits [seq, vocab], ids [seq]."""
-        cmp = M.compare_logits(dense, cand, ids)
-        kl, agree, nll = cmp["kl"], cmp["top1"], cmp["nll"]
-        self.domains.setdefault(domain, _DomainSums()).add(kl, agree, nll)
-        self.kl.append(kl.float())
-        self.top1 += int(agree.sum())
-        self.delta_sum += cmp["p_top_delta"].sum().item()
-        self.tokens += kl.numel()
-        self.nll_sum += nll.sum().item()
-        self.nll_count += nll.numel()
-        self.per_window.append({"domain": domain, "kl_mean": kl.mean().item(), "top1": agree.float().mean().item(),
-                                "nll_mean": nll.mean().item()})
-
-    def absorb(self, other: _Stats) -> None:
-        """Append the windows another rank scored (they follow this rank's in window order)."""
-        for domain, sums in other.domains.items():
-            self.domains.setdefault(domain, _DomainSums()).absorb(sums)
-        self.kl.extend(other.kl)
-        self.per_window.extend(other.per_window)
-        self.top1 += other.top1
-        self.delta_sum += other.delta_sum
-        self.tokens += other.tokens
-        self.nll_sum += other.nll_sum
-        self.nll_count += other.nll_count
-        if self.curves is not None and other.curves is not None:
-            self.curves.absorb(other.curves)
-
-    def metrics(self, dense_ppl: float) -> dict[str, Any]:
-        kl = torch.cat(self.kl)
-        ppl = M.perplexity(self.nll_sum, self.nll_count)
-        return {
-            "kl": M.summarize(kl),
-            "top1": self.top1 / self.tokens,
-            "p_top_delta": self.delta_sum / self.tokens,
-            "ppl": ppl,
-            "ppl_ratio": ppl / dense_ppl,
-            "nll_mean": self.nll_sum / self.nll_count,
-            "tokens": self.tokens,
-            "tokens_scored": self.nll_count,
-        }
-
-
 def run(
     model_cfg: ModelConfig,
     data_cfg: DataConfig,
@@ -164,39 +78,18 @@ def run(
     `report_dir` and return the result. Failed gates set `passed=False`; raising is the caller's call.
     `runtime_dense`: the dense model exported for a runtime (.gguf, ONNX); scored on the same windows,
     it checks that PyTorch and the runtime agree on the dense model (`runtime_agreement`)."""
-    errs = model_cfg.validate() + data_cfg.validate() + fid_cfg.validate()
-    if errs:
-        raise ConfigError("; ".join(errs))
-    if not candidates:
-        raise ConfigError("no candidate given; pass at least one model to compare, e.g. fidelity.candidate pruned=out/pruned")
+    _check(model_cfg, data_cfg, fid_cfg, candidates)
     t0 = time.perf_counter()
-    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code,
-                 seqlen=data_cfg.seqlen)  # bad inputs fail before any model loads
-    check_texts(data_cfg.eval, "eval")
     zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None
     device = device if device is not None else resolve_device(model_cfg.device)
     runtime_cands, torch_cands = _split_candidates(candidates)
     reference = _runtime_reference(runtime_dense)
     dense_dir = local_model_dir(model_cfg.model)
     tokenizer = _tokenizer(dense_dir, model_cfg)
-    domains = eval_domains(data_cfg.eval)
-    per_domain = {label: evaluation_windows(tokenizer, spec, data_cfg.eval_samples, data_cfg.seqlen)
-                  for label, spec in domains}
-    windows = torch.cat(list(per_domain.values()))  # [n_windows, seqlen], domain after domain
-    window_domain = [label for label, w in per_domain.items() for _ in range(w.shape[0])]
+    ev = _Windows.cut(tokenizer, data_cfg)
     notes: list[str] = []
-    part = distributed.shard(windows.shape[0], "evaluation windows")  # all of them in one process
-    mine, my_domain = windows[part.start:part.stop], window_domain[part.start:part.stop]
-    resident = lambda path: _load_resident(path, model_cfg)  # noqa: E731
-    tp = run_torch_pass(dense_dir, torch_cands, mine, device, layerwise=fid_cfg.layerwise, notes=notes,
-                        load_resident=resident)
-    stats = {label: _Stats("pytorch", tp.curves[label]) for label in torch_cands}
-    dense_nll, dense_by_domain = _score_torch(mine, my_domain, tp, stats)
-    tp.release(keep=(DENSE,) if runtime_cands or reference else ())
-    for label, path in {**runtime_cands, **({_REFERENCE: reference} if reference else {})}.items():
-        stats[label] = _score_runtime(label, path, mine, my_domain, tp, fid_cfg)
-    tp.close()
-    dense_nll, dense_by_domain, stats = _gather(dense_nll, dense_by_domain, stats)
+    dense_nll, dense_by_domain, stats = _score(dense_dir, torch_cands, runtime_cands, reference, ev, device, notes,
+                                               model_cfg, fid_cfg)
     ref_stats = stats.pop(_REFERENCE, None)
     zeroshot = None
     if zs_tasks is not None and distributed.is_main():
@@ -206,32 +99,21 @@ def run(
                                    _zeroshot_skipped(runtime_cands))
     dense_ppl = M.perplexity(*dense_nll)
     dense_domain_ppl = {d: M.perplexity(*sums) for d, sums in dense_by_domain.items()}
-    agreement = (_agreement(reference, ref_stats, dense_ppl, dense_domain_ppl, fid_cfg, int(windows.shape[0]), notes)
+    agreement = (_agreement(reference, ref_stats, dense_ppl, dense_domain_ppl, fid_cfg, int(ev.windows.shape[0]), notes)
                  if ref_stats is not None else None)
     cand_out = {label: _candidate_record(label, candidates[label], stats[label], dense_ppl, dense_domain_ppl)
                 for label in candidates}
+    dense = {"model": model_cfg.model, "path": str(dense_dir), "sha256": input_hash(dense_dir), "ppl": dense_ppl,
+             "nll_mean": dense_nll[0] / dense_nll[1], "tokens_scored": dense_nll[1], "domains": {
+                 d: {"ppl": dense_domain_ppl[d], "tokens_scored": dense_by_domain[d][1]} for d in ev.per_domain}}
+    settings = {**ev.settings(data_cfg), "sample_format": sample_format(tokenizer), "device": str(device),
+                "fidelity": to_dict(fid_cfg), "model": to_dict(model_cfg)}
     gates = evaluate_gates(fid_cfg, {label: c["metrics"] for label, c in cand_out.items()})
     report_dir = Path(report_dir)
-    result = FidelityResult(
-        dense={"model": model_cfg.model, "path": str(dense_dir), "sha256": input_hash(dense_dir),
-               "ppl": dense_ppl, "nll_mean": dense_nll[0] / dense_nll[1], "tokens_scored": dense_nll[1],
-               "domains": {d: {"ppl": dense_domain_ppl[d], "tokens_scored": dense_by_domain[d][1]} for d in per_domain}},
-        candidates=cand_out,
-        gates=gates,
-        passed=all(g["passed"] for g in gates),
-        settings={"eval": data_cfg.eval, "eval_samples": data_cfg.eval_samples, "windows": int(windows.shape[0]),
-                  "domains": [{"label": label, "spec": spec, "windows": int(per_domain[label].shape[0]),
-                               "in_domain": in_domain(spec, data_cfg.calib)} for label, spec in domains],
-                  "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(windows), "sample_format": sample_format(tokenizer),
-                  "device": str(device),
-                  "fidelity": to_dict(fid_cfg), "model": to_dict(model_cfg)},
-        versions=versions(),
-        reports={kind: str(report_dir / name) for kind, name in REPORT_FILES.items()},
-        notes=notes,
-        zeroshot=zeroshot,
-        runtime_agreement=agreement,
-        wall_s=time.perf_counter() - t0,
-    )
+    result = FidelityResult(dense=dense, candidates=cand_out, gates=gates, passed=all(g["passed"] for g in gates),
+                            settings=settings, versions=versions(),
+                            reports={kind: str(report_dir / name) for kind, name in REPORT_FILES.items()},
+                            notes=notes, zeroshot=zeroshot, runtime_agreement=agreement, wall_s=time.perf_counter() - t0)
     from laco_deploy.fidelity.report import write_reports
 
     if distributed.is_main():
@@ -239,7 +121,62 @@ def run(
     return result
 
 
-def _gather(dense_nll: tuple[float, int], by_domain: dict[str, tuple[float, int]], stats: dict[str, _Stats]):
+def _score(dense_dir: Path, torch_cands: dict[str, Path], runtime_cands: dict[str, Path], reference: Path | None,
+           ev: _Windows, device: torch.device, notes: list[str], model_cfg: ModelConfig, fid_cfg: FidelityConfig):
+    """This rank's shard of the windows through the PyTorch pass, then each runtime candidate (and the
+    runtime reference) against the dense logits; -> every rank's (dense nll, per domain, stats) gathered."""
+    part = distributed.shard(ev.windows.shape[0], "evaluation windows")  # all of them in one process
+    mine, my_domain = ev.windows[part.start:part.stop], ev.window_domain[part.start:part.stop]
+    resident = lambda path: _load_resident(path, model_cfg)  # noqa: E731
+    tp = run_torch_pass(dense_dir, torch_cands, mine, device, layerwise=fid_cfg.layerwise, notes=notes,
+                        load_resident=resident)
+    stats = {label: Stats("pytorch", tp.curves[label]) for label in torch_cands}
+    dense_nll, dense_by_domain = _score_torch(mine, my_domain, tp, stats)
+    tp.release(keep=(DENSE,) if runtime_cands or reference else ())
+    for label, path in {**runtime_cands, **({_REFERENCE: reference} if reference else {})}.items():
+        stats[label] = _score_runtime(label, path, mine, my_domain, tp, fid_cfg)
+    tp.close()
+    return _gather(dense_nll, dense_by_domain, stats)
+
+
+def _check(model_cfg: ModelConfig, data_cfg: DataConfig, fid_cfg: FidelityConfig, candidates: dict) -> None:
+    """Settings, the dense model and the texts, before any model loads."""
+    errs = model_cfg.validate() + data_cfg.validate() + fid_cfg.validate()
+    if errs:
+        raise ConfigError("; ".join(errs))
+    if not candidates:
+        raise ConfigError("no candidate given; pass at least one model to compare, e.g. fidelity.candidate pruned=out/pruned")
+    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code,
+                 seqlen=data_cfg.seqlen)
+    check_texts(data_cfg.eval, "eval")
+
+
+@dataclass(frozen=True)
+class _Windows:
+    """The evaluation windows of every domain, domain after domain."""
+
+    domains: list[tuple[str, str]]  # (label, spec)
+    per_domain: dict[str, torch.Tensor]  # label -> [windows, seqlen]
+    windows: torch.Tensor  # [n_windows, seqlen]
+    window_domain: list[str]  # each window's domain label
+
+    @classmethod
+    def cut(cls, tokenizer, data_cfg: DataConfig) -> _Windows:
+        domains = eval_domains(data_cfg.eval)
+        per_domain = {label: evaluation_windows(tokenizer, spec, data_cfg.eval_samples, data_cfg.seqlen)
+                      for label, spec in domains}
+        return cls(domains, per_domain, torch.cat(list(per_domain.values())),
+                   [label for label, w in per_domain.items() for _ in range(w.shape[0])])
+
+    def settings(self, data_cfg: DataConfig) -> dict[str, Any]:
+        """The report's record of what was scored (keys in the report's order)."""
+        return {"eval": data_cfg.eval, "eval_samples": data_cfg.eval_samples, "windows": int(self.windows.shape[0]),
+                "domains": [{"label": label, "spec": spec, "windows": int(self.per_domain[label].shape[0]),
+                             "in_domain": in_domain(spec, data_cfg.calib)} for label, spec in self.domains],
+                "seqlen": data_cfg.seqlen, "tokens_sha256": tokens_hash(self.windows)}
+
+
+def _gather(dense_nll: tuple[float, int], by_domain: dict[str, tuple[float, int]], stats: dict[str, Stats]):
     """Every rank's window results, merged in rank (= window) order; unchanged in one process."""
     if distributed.world() == 1:
         return dense_nll, by_domain, stats
@@ -266,7 +203,7 @@ def _runtime_reference(path: str | Path | None) -> Path | None:
     return p
 
 
-def _agreement(path: Path, st: _Stats, dense_ppl: float, dense_domain_ppl: dict[str, float], fid_cfg: FidelityConfig,
+def _agreement(path: Path, st: Stats, dense_ppl: float, dense_domain_ppl: dict[str, float], fid_cfg: FidelityConfig,
                windows: int, notes: list[str]) -> dict[str, Any]:
     """Dense PyTorch vs the dense runtime export on the same windows; a disagreement is logged loudly
     and noted in the report."""
@@ -308,7 +245,7 @@ def _load_resident(path: Path, model_cfg: ModelConfig):
 
 
 def _score_torch(windows: torch.Tensor, window_domain: list[str], tp: TorchPass,
-                 stats: dict[str, _Stats]) -> tuple[tuple[float, int], dict[str, tuple[float, int]]]:
+                 stats: dict[str, Stats]) -> tuple[tuple[float, int], dict[str, tuple[float, int]]]:
     """Window by window: dense logits once, every PyTorch candidate compared with them.
     Returns the dense (NLL sum, count) over all windows and per domain."""
     nll_sum, nll_count = 0.0, 0
@@ -328,12 +265,12 @@ def _score_torch(windows: torch.Tensor, window_domain: list[str], tp: TorchPass,
 
 
 def _score_runtime(label: str, path: Path, windows: torch.Tensor, window_domain: list[str], tp: TorchPass,
-                   fid_cfg: FidelityConfig) -> _Stats:
+                   fid_cfg: FidelityConfig) -> Stats:
     """One runtime candidate over every window against the dense logits; its runner is closed
     (and its memory released) before the next candidate opens."""
     runner = open_runner(path, device=tp.device, threads=fid_cfg.threads, max_tokens=windows.shape[1])
     try:
-        st = _Stats(runner.name, None)
+        st = Stats(runner.name, None)
         for w in progress_bar(range(windows.shape[0]), desc="fidelity", unit="window"):
             d_logits = tp.logits(DENSE, w)
             c_logits = _runner_logits(label, runner, windows[w])
@@ -385,7 +322,7 @@ def _check_logits(label: str, cand: torch.Tensor, dense: torch.Tensor, window: i
                                   "the model or its export is broken (try a wider weight type, e.g. fp32 or q8_0)")
 
 
-def _candidate_record(label: str, path: str | Path, st: _Stats, dense_ppl: float,
+def _candidate_record(label: str, path: str | Path, st: Stats, dense_ppl: float,
                       dense_domain_ppl: dict[str, float]) -> dict[str, Any]:
     kl = torch.cat(st.kl).double()
     q = torch.linspace(0, 1, 101, dtype=torch.float64)
