@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from laco_deploy import distributed
-from laco_deploy.config import PruneConfig
 from laco_deploy.engine import Lane, LayerInputs, WalkOptions, walk_layers
 from laco_deploy.fsutil import write_json
 from laco_deploy.models import linear_modules
@@ -46,49 +45,48 @@ def owl_ratios(outliers: list[float], target: float, lam: float) -> list[float]:
     return [float(r) for r in ratios.clamp(0.0, 0.99)]
 
 
-def _outlier_step(cfg: PruneConfig):
+def _outlier_step(targets: tuple[str, ...], m: float):
     def step(ctx) -> dict:
-        modules = linear_modules(ctx.layer, cfg.targets)
+        modules = linear_modules(ctx.layer, targets)
         ctx.progress("outliers")
         stats = collect_input_stats(ctx, modules, hessian=False)
         scores = [wanda_scores(lin.weight.data, stats[name].sq_sum) for name, lin in modules.items()]
-        return {"outliers": outlier_share(scores, cfg.owl_m)}
+        return {"outliers": outlier_share(scores, m)}
 
     return step
 
 
-def layer_ratios(model, inputs: LayerInputs, cfg: PruneConfig, *, device: torch.device, batch_size: int,
-                 cache_file: Path | None = None, resume: bool = False, loader=None) -> list[float]:
-    """Sparsity ratio per decoder layer: uniform, or OWL's when cfg.owl (needs one extra dense pass).
+def layer_ratios(model, inputs: LayerInputs, sparsity: float, targets: tuple[str, ...], owl: tuple[float, float] | None,
+                 *, device: torch.device, batch_size: int, cache_file: Path | None = None, resume: bool = False,
+                 loader=None) -> list[float]:
+    """Sparsity ratio per decoder layer: uniform `sparsity` (prune.sparsity), or OWL's when `owl` is
+    (prune.owl_lambda, prune.owl_m), which needs one extra dense pass over the `targets` linears.
 
     With `resume`, ratios computed by the interrupted run are reused from `cache_file`. `loader`:
     the engine's layer loader when layers live on disk.
     """
     n_layers = model.config.num_hidden_layers
-    if not cfg.owl:
-        return [cfg.sparsity] * n_layers
-    if resume and cache_file is not None and distributed.agree(_cached(cache_file, cfg, n_layers) is not None):
-        return _cached(cache_file, cfg, n_layers)
+    if owl is None:
+        return [sparsity] * n_layers
+    key = [sparsity, owl[0], owl[1], list(targets)]
+    if resume and cache_file is not None and distributed.agree(_cached(cache_file, key, n_layers) is not None):
+        return _cached(cache_file, key, n_layers)
     probe = inputs.hidden.clone_empty()
     probe.copy_from(inputs.hidden)  # the walk overwrites its buffers; keep the embeddings for pruning
-    records = walk_layers(Lane(model, LayerInputs(probe, inputs.kwargs, inputs.layer_kwargs), loader), _outlier_step(cfg),
-                          WalkOptions(device, batch_size, "owl outliers"))
-    ratios = owl_ratios([r["outliers"] for r in records], cfg.sparsity, cfg.owl_lambda)
+    records = walk_layers(Lane(model, LayerInputs(probe, inputs.kwargs, inputs.layer_kwargs), loader),
+                          _outlier_step(targets, owl[1]), WalkOptions(device, batch_size, "owl outliers"))
+    ratios = owl_ratios([r["outliers"] for r in records], sparsity, owl[0])
     log.info("OWL layer ratios: %s", [round(r, 4) for r in ratios])
     if cache_file is not None and distributed.is_main():
-        write_json(cache_file, {"key": _key(cfg), "outliers": [r["outliers"] for r in records], "ratios": ratios})
+        write_json(cache_file, {"key": key, "outliers": [r["outliers"] for r in records], "ratios": ratios})
     return ratios
 
 
-def _cached(cache_file: Path, cfg: PruneConfig, n_layers: int) -> list[float] | None:
+def _cached(cache_file: Path, key: list, n_layers: int) -> list[float] | None:
     """The ratios an interrupted run with the same OWL settings computed, if any."""
     if not cache_file.is_file():
         return None
     cached = json.loads(cache_file.read_text())
-    if cached.get("key") == _key(cfg) and len(cached.get("ratios", [])) == n_layers:
+    if cached.get("key") == key and len(cached.get("ratios", [])) == n_layers:
         return [float(r) for r in cached["ratios"]]
     return None
-
-
-def _key(cfg: PruneConfig) -> list:
-    return [cfg.sparsity, cfg.owl_lambda, cfg.owl_m, list(cfg.targets)]

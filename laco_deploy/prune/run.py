@@ -72,8 +72,10 @@ def _resume_key(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneCo
 def _make_step(prune_cfg: PruneConfig, ratios: list[float]):
     """The per-layer step; module functions are looked up at call time (tests patch them)."""
     if prune_cfg.structured is not None:
-        return lambda ctx: structural.prune_layer_structured(ctx, prune_cfg)
-    return lambda ctx: step.prune_layer(ctx, prune_cfg, ratios[ctx.index])
+        return lambda ctx: structural.prune_layer_structured(ctx, prune_cfg.targets, prune_cfg.structured,
+                                                             prune_cfg.structured_multiple, prune_cfg.structured_metric)
+    rule = step.MatrixRule.of(prune_cfg)
+    return lambda ctx: step.prune_layer(ctx, rule, ratios[ctx.index])
 
 
 @dataclass
@@ -115,8 +117,9 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
     part = distributed.shard(ids.shape[0])
     ids = ids[part.start:part.stop]
     inputs = capture_inputs(src.model, src.lazy, ids, device, prune_cfg.offload, ckpt)
-    ratios = owl.layer_ratios(src.model, inputs, prune_cfg, device=device, batch_size=prune_cfg.batch_size,
-                              cache_file=ckpt / "owl.json", resume=resume,
+    owl_on = (prune_cfg.owl_lambda, prune_cfg.owl_m) if prune_cfg.owl else None
+    ratios = owl.layer_ratios(src.model, inputs, prune_cfg.sparsity, prune_cfg.targets, owl_on, device=device,
+                              batch_size=prune_cfg.batch_size, cache_file=ckpt / "owl.json", resume=resume,
                               loader=src.lazy.without_spill() if src.lazy is not None else None)
     records = walk_layers(Lane(src.model, inputs, src.lazy), _make_step(prune_cfg, ratios),
                           WalkOptions(device, prune_cfg.batch_size, "prune"),
@@ -138,7 +141,8 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, ou
         src = _open_source(model_cfg, prune_cfg.offload, ckpt)
         (families.of_config(src.model.config) or families.TABLE[0]).check_targets(prune_cfg.targets)
         if prune_cfg.structured is not None:
-            structural.check_feasible(src.model.config, prune_cfg)
+            structural.check_feasible(src.model.config, prune_cfg.targets, prune_cfg.structured,
+                                      prune_cfg.structured_multiple)
         ids = data_mod.calibration_samples(src.tokenizer, data_cfg.calib, data_cfg.samples, data_cfg.seqlen, data_cfg.seed)
         mark_folder(ckpt)  # marked as ours: a rerun may resume or clear it
         dense_numel = _dense_numel(src.model)

@@ -20,7 +20,6 @@ import time
 import torch
 
 from laco_deploy import families
-from laco_deploy.config import PruneConfig
 from laco_deploy.errors import ConfigError
 from laco_deploy.prune import scoring
 from laco_deploy.prune.stats import InputStats, collect_input_stats
@@ -42,19 +41,20 @@ def removal_count(width: int, ratio: float, multiple: int = 1) -> int:
     return removed
 
 
-def _parts(cfg: PruneConfig, family: families.Family) -> tuple[bool, bool]:
+def _parts(targets: tuple[str, ...], family: families.Family) -> tuple[bool, bool]:
     """(prune FFN channels, prune head groups) from the target linears and what the family allows."""
-    return any(t in cfg.targets for t in FFN), family.structured_heads and any(t in cfg.targets for t in ATTN)
+    return any(t in targets for t in FFN), family.structured_heads and any(t in targets for t in ATTN)
 
 
-def check_feasible(config, cfg: PruneConfig) -> None:
-    """Refuse a ratio that would remove every FFN channel or every head group of a layer, and head
+def check_feasible(config, targets: tuple[str, ...], ratio: float, multiple: int) -> None:
+    """Refuse a ratio (prune.structured) that would remove every FFN channel or every head group of a
+    layer, or leave less than one block of `multiple` (prune.structured_multiple) channels, and head
     groups where the family cannot lose them per layer (then only FFN channels go, said in the log)."""
     from laco_deploy.structured import layer_widths
 
     family = families.of_config(config) or families.TABLE[0]
-    ffn_on, attn_on = _parts(cfg, family)
-    if not family.structured_heads and any(t in cfg.targets for t in ATTN):
+    ffn_on, attn_on = _parts(targets, family)
+    if not family.structured_heads and any(t in targets for t in ATTN):
         why = (f"{family.label} splits its fused {family.attention[0]} by the model-wide head count, so head groups "
                "cannot be removed per layer")
         if not ffn_on:
@@ -62,19 +62,19 @@ def check_feasible(config, cfg: PruneConfig) -> None:
                               f"({','.join(FFN)}) or prune attention unstructured")
         log.warning("prune.structured: %s; removing FFN channels only", why)
     for i, w in enumerate(layer_widths(config)):
-        ffn, multiple = w["intermediate_size"], cfg.structured_multiple
-        if ffn_on and removal_count(ffn, cfg.structured, multiple) >= ffn:
-            raise ConfigError(f"prune.structured {cfg.structured} would remove all {ffn} FFN channels "
+        ffn = w["intermediate_size"]
+        if ffn_on and removal_count(ffn, ratio, multiple) >= ffn:
+            raise ConfigError(f"prune.structured {ratio} would remove all {ffn} FFN channels "
                               f"of layer {i}; use a smaller ratio")
         kv = w["num_key_value_heads"]
-        if attn_on and removal_count(kv, cfg.structured) >= kv:
-            raise ConfigError(f"prune.structured {cfg.structured} would remove all {kv} attention head groups of layer {i}; "
+        if attn_on and removal_count(kv, ratio) >= kv:
+            raise ConfigError(f"prune.structured {ratio} would remove all {kv} attention head groups of layer {i}; "
                               f"use a ratio below {(kv - 0.5) / kv:.2f}, or prune.targets gate_proj,up_proj,down_proj for FFN only")
-        if ffn_on and multiple > 1 and ffn >= multiple and int((ffn - int(ffn * cfg.structured + 0.5)) / multiple + 0.5) < 1:
-            kept = ffn - removal_count(ffn, cfg.structured, multiple)  # one block: the fewest a layer keeps
-            raise ConfigError(f"prune.structured {cfg.structured} would leave layer {i} less than one block of "
+        if ffn_on and multiple > 1 and ffn >= multiple and int((ffn - int(ffn * ratio + 0.5)) / multiple + 0.5) < 1:
+            kept = ffn - removal_count(ffn, ratio, multiple)  # one block: the fewest a layer keeps
+            raise ConfigError(f"prune.structured {ratio} would leave layer {i} less than one block of "
                               f"prune.structured_multiple {multiple} FFN channels, so it would keep {kept} of {ffn} "
-                              f"({1 - kept / ffn:.0%} removed, not {cfg.structured:.0%}); use a ratio up to "
+                              f"({1 - kept / ffn:.0%} removed, not {ratio:.0%}); use a ratio up to "
                               f"{(ffn - multiple) / ffn:.2f}, or prune.structured_multiple 1 for the exact ratio")
 
 
@@ -168,32 +168,32 @@ def layer_width(layer) -> dict[str, int]:
             "num_attention_heads": q_rows // head_dim, "num_key_value_heads": kv_rows // head_dim}
 
 
-def prune_layer_structured(ctx, cfg: PruneConfig) -> dict:
-    """Shrink `ctx.layer` (engine LayerContext) by cfg.structured; return widths, kept indices, matrices."""
+def prune_layer_structured(ctx, targets: tuple[str, ...], ratio: float, multiple: int, metric: str) -> dict:
+    """Shrink `ctx.layer` (engine LayerContext) by `ratio` (prune.structured; FFN channels in blocks of
+    `multiple`, scored by `metric`); return widths, kept indices, matrices."""
     t0 = time.perf_counter()
     layer = ctx.layer
     family = families.of_layer(layer)
-    ffn_on, attn_on = _parts(cfg, family)
+    ffn_on, attn_on = _parts(targets, family)
     before = layer_width(layer)
     names = ({f"mlp.{n}": getattr(layer.mlp, n) for n in family.ffn}
              | {f"self_attn.{n}": getattr(layer.self_attn, n) for n in family.attention})
     ctx.progress("statistics")
     raw = collect_input_stats(ctx, names, hessian=False)
     stats = {k.rsplit(".", 1)[-1]: v for k, v in raw.items()}
-    rec: dict = {"layer": ctx.index, "ratio": cfg.structured}
+    rec: dict = {"layer": ctx.index, "ratio": ratio}
     with torch.no_grad():
         if ffn_on:
             ctx.progress("ffn channels")
-            scores = ffn_importance(layer.mlp, stats, cfg.structured_metric)
-            keep = scoring.keep_indices(scores, removal_count(before["intermediate_size"], cfg.structured,
-                                                                         cfg.structured_multiple))
+            scores = ffn_importance(layer.mlp, stats, metric)
+            keep = scoring.keep_indices(scores, removal_count(before["intermediate_size"], ratio, multiple))
             remove_ffn_channels(layer.mlp, keep)
             rec["kept_ffn_channels"] = keep.tolist()
         if attn_on:
             ctx.progress("head groups")
             kv = before["num_key_value_heads"]
-            scores = head_group_importance(layer.self_attn, stats, cfg.structured_metric, kv)
-            keep_g = scoring.keep_indices(scores, removal_count(kv, cfg.structured))
+            scores = head_group_importance(layer.self_attn, stats, metric, kv)
+            keep_g = scoring.keep_indices(scores, removal_count(kv, ratio))
             remove_head_groups(layer.self_attn, keep_g, kv)
             rec["kept_head_groups"] = keep_g.tolist()
     rec["widths"] = layer_width(layer)
