@@ -205,3 +205,18 @@ def test_a_library_wrapped_full_disk_is_a_user_error(monkeypatch, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "no space left on the device" in err and "free disk space" in err and "internal error" not in err
+
+
+def test_reuse_key_follows_settings_and_content_not_place(tmp_path):
+    a, b = tmp_path / "a.bin", tmp_path / "elsewhere" / "a.bin"
+    a.write_bytes(b"weights-1")
+    b.parent.mkdir()
+    b.write_bytes(b"weights-1")
+    key = fsutil.reuse_key({"lr": 1}, {"model": fsutil.sha256_tree(a)})
+    assert key == fsutil.reuse_key({"lr": 1}, {"model": fsutil.sha256_tree(b)})  # a moved copy resumes
+    assert key != fsutil.reuse_key({"lr": 2}, {"model": fsutil.sha256_tree(a)})
+    time.sleep(0.01)
+    a.write_bytes(b"weights-2")  # same size, rewritten in place: the hash is read again
+    assert fsutil.sha256_tree(a) != fsutil.sha256_tree(b)
+    assert key != fsutil.reuse_key({"lr": 1}, {"model": fsutil.sha256_tree(a)})
+
