@@ -26,11 +26,9 @@ TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensat
 # compensate.quant_aware: export types whose weights LaCo trains through (compensate/fakequant.py)
 QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "int8")
 INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
-# compute precision of LaCo and LoRA training (compensate/train.py amp_dtype); weights, optimizer
-# state and the activation caches stay fp32 in every case
+# LaCo and LoRA compute precision (compensate/train.py amp_dtype); weights, optimizer state, caches stay fp32
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-# torchrun jobs: how long a rank waits in a collective (all-reduce, barrier) before giving up, so a
-# stuck or dead rank ends the job; override with LACO_DIST_TIMEOUT_S (laco_deploy/distributed.py)
+# torchrun: seconds a rank waits in a collective before a stuck or dead rank ends the job (LACO_DIST_TIMEOUT_S)
 DIST_TIMEOUT_S = 1800
 
 
@@ -214,8 +212,7 @@ class CompensateConfig:
 
     @property
     def needs_dense_layer(self) -> bool:
-        """Whether the LaCo step runs the dense twin (sub-block loss, least-squares refit) or reads its
-        inputs (dense_input_mix); else a streamed twin leaves before training (engine.walk)."""
+        """Whether the LaCo step runs or reads the dense twin (subblock loss, lsq, dense_input_mix)."""
         return self.loss == "subblock" or self.init == "lsq" or self.dense_input_mix > 0
 
     def validate(self) -> list[str]:
