@@ -26,7 +26,7 @@ from laco_deploy.data import calibration_samples  # noqa: E402
 from laco_deploy.engine import Lane, Paths, WalkOptions, capture_inputs, walk_layers  # noqa: E402
 from laco_deploy.fsutil import write_json  # noqa: E402
 from laco_deploy.models import load_model  # noqa: E402
-from laco_deploy.prune.step import prune_layer  # noqa: E402
+from laco_deploy.prune.step import MatrixRule, prune_layer  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -60,7 +60,8 @@ def main() -> None:
     ids = calibration_samples(loaded.tokenizer, "builtin", args.samples, args.seqlen, 0)
     sparse = copy.deepcopy(dense)
     prune = PruneConfig()
-    walk_layers(Lane(sparse, capture_inputs(sparse, None, ids, CPU)), lambda ctx: prune_layer(ctx, prune, prune.sparsity),
+    rule = MatrixRule.of(prune)
+    walk_layers(Lane(sparse, capture_inputs(sparse, None, ids, CPU)), lambda ctx: prune_layer(ctx, rule, prune.sparsity),
                 WalkOptions(CPU, 8, "prune"))
     cfg = dataclasses.replace(CompensateConfig(), batch_size=CompensateConfig.cpu_batch_size, final_kl_epochs=0,
                               lr=args.lr, lr_retries=args.retries)

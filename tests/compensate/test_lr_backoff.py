@@ -20,7 +20,7 @@ from laco_deploy.compensate.train import split_indices
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, PruneConfig
 from laco_deploy.engine import Lane, Paths, WalkOptions, capture_inputs, walk_layers
 from laco_deploy.models import decoder_layers, linear_modules
-from laco_deploy.prune.step import prune_layer
+from laco_deploy.prune.step import MatrixRule, prune_layer
 
 CPU = torch.device("cpu")
 PRE_NORMS = ("input_layernorm", "pre_feedforward_layernorm")
@@ -46,7 +46,7 @@ def _walk(scale: float, **cfg) -> list[dict]:
     ids[:, 0] = 0  # BOS, as the samples start
     sparse = copy.deepcopy(dense)
     walk_layers(Lane(sparse, capture_inputs(sparse, None, ids, CPU)),
-                lambda ctx: prune_layer(ctx, PruneConfig(method="magnitude"), 0.5), WalkOptions(CPU, 8, "prune"))
+                lambda ctx: prune_layer(ctx, MatrixRule.of(PruneConfig(method="magnitude")), 0.5), WalkOptions(CPU, 8, "prune"))
     comp = dataclasses.replace(CompensateConfig(), batch_size=2, final_kl_epochs=0, **cfg)
     step = make_step(comp, PRUNABLE_LINEARS, split_indices(16, comp.val_fraction, 0), 0, SegmentMeter(CPU))
     return walk_layers(Lane(sparse, capture_inputs(sparse, None, ids, CPU)), step, WalkOptions(CPU, 2, "LaCo"),
