@@ -60,13 +60,13 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     notes: list[str] = []
     log.info("exporting %s to ONNX %s in %s (sparse storage: %s)", model_dir, quant, out_dir, sparse_storage)
     with atomic_dir(out_dir) as tmp:
-        proto = _build_graph(model, quant, notes)
+        proto = _build_graph(model, quant, notes, tmp / MODEL_FILE)
         _add_metadata(proto, config, quant, sparse_storage, metadata)
         dense_bytes = _save(proto, tmp / MODEL_FILE)
+        del proto  # the weights are on disk now; the check and sparse storage read them back from there
         checks: dict[str, Any] = {"onnx_checker": _run_checker(tmp / MODEL_FILE)}
         if sparse_storage:
-            checks["storage"] = _store_sparse(proto, tmp, dense_bytes, notes)
-        del proto
+            checks["storage"] = _store_sparse(tmp, dense_bytes, notes)
         _copy_side_files(model_dir, tmp, tokenizer)
         notes += write_genai_config(tmp, sparse_storage=sparse_storage)
         if check is not None:
@@ -118,23 +118,27 @@ def _load(model_dir: Path):
     return loaded.model.float().eval(), loaded.tokenizer, loaded.model.config
 
 
-def _build_graph(model, quant: str, notes: list[str]):
-    """Trace the model in the requested precision -> onnx.ModelProto (int8: quantized)."""
+def _build_graph(model, quant: str, notes: list[str], path: Path):
+    """Trace the model in the requested precision into `path` (+ its data file) -> onnx.ModelProto:
+    the graph with its weights on disk (int8: quantized, its weights in memory)."""
     import copy
+
+    import onnx
 
     from exporters.onnx_graph import trace
 
     traced = copy.deepcopy(model).half() if quant == "fp16" else model
     log.info("tracing %s with torch.onnx.export(dynamo=True)", type(model).__name__)
     try:
-        proto = trace(traced)
+        proto = trace(traced, path, DATA_FILE)
     except Exception as e:  # torch.export raises many internal error types
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed for {type(model).__name__} ({first}); "
                           "check the model loads in transformers and report the architecture") from e
     finally:
         del traced
-    if quant == "int8":
+    if quant == "int8":  # onnxruntime's quantizer works on the whole model in memory
+        onnx.load_external_data_for_model(proto, str(path.parent))
         proto = _quantize_int8(proto, notes)
     if quant == "fp16":
         notes.append("fp16: weights, activations, KV cache and logits in half precision (RMSNorm computes in fp32 "
@@ -176,26 +180,35 @@ def _quantize_int8(proto, notes: list[str]):
 
 
 def _save(proto, path: Path) -> int:
-    """Write the graph to `path` and its weights (tensors over 1 KiB) to DATA_FILE beside it;
-    the in-memory proto keeps its weights. -> bytes written.
+    """Write the graph to `path` and its weights (tensors over 1 KiB) to DATA_FILE beside it -> bytes
+    written. A proto whose weights are already in DATA_FILE (as traced) is written without them;
+    one holding its weights in memory gives them up to the file (onnx moves them out of `proto`).
 
     Always external data, as optimum does above 2 GB: no protobuf size limit, and onnxruntime
     loads it faster with a lower peak RSS (measured on SmolLM2-135M fp32: 1.5 s and 0.71 GiB
     against 2.4 s and 0.92 GiB for the single-file form)."""
     import onnx
-    from onnx.external_data_helper import load_external_data_for_tensor
+
+    from exporters.onnx_graph import WEIGHT_INLINE_BYTES
 
     data = path.parent / DATA_FILE
-    data.unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
-    tensors = list(proto.graph.initializer) + [a.t for n in proto.graph.node for a in n.attribute if a.HasField("t")]
-    for t in tensors:  # saving moved the weights out of `proto`: read back those in DATA_FILE
-        if t.data_location == onnx.TensorProto.EXTERNAL and {e.key: e.value for e in t.external_data}.get("location") == data.name:
-            load_external_data_for_tensor(t, str(path.parent))
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
+    if _holds_weights(proto):
+        data.unlink(missing_ok=True)  # onnx appends to an existing data file
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=WEIGHT_INLINE_BYTES)
+    else:
+        onnx.save_model(proto, str(path))
     return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def _holds_weights(proto) -> bool:
+    """Whether some tensor over the inline size still has its bytes inside `proto`."""
+    import onnx
+
+    from exporters.onnx_graph import WEIGHT_INLINE_BYTES
+
+    tensors = list(proto.graph.initializer) + [a.t for n in proto.graph.node for a in n.attribute if a.HasField("t")]
+    return any(t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() > WEIGHT_INLINE_BYTES for t in tensors)
 
 
 def _run_checker(path: Path) -> str:
@@ -225,10 +238,13 @@ def _add_metadata(proto, config, quant: str, sparse: bool, extra: dict | None) -
         entry.key, entry.value = str(key), value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def _store_sparse(proto, tmp: Path, dense_bytes: int, notes: list[str]) -> dict:
+def _store_sparse(tmp: Path, dense_bytes: int, notes: list[str]) -> dict:
     """Rewrite model.onnx with compressed weights; measure it against the dense file just written."""
+    import onnx
+
     from exporters.onnx_sparse import DENSE_FILE, SPARSE_FILE, compress, densify
 
+    proto = onnx.load(str(tmp / MODEL_FILE))  # with its weights: compress reads and rewrites them
     stats = compress(proto, tmp)
     _save(proto, tmp / MODEL_FILE)
     sparse_bytes = model_bytes(tmp)

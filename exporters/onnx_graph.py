@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Trace with sizes above 1 so torch.export keeps batch / sequence / past symbolic.
 _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST = 2, 5, 3
+WEIGHT_INLINE_BYTES = 1024  # tensors up to this size stay inside model.onnx, larger ones go to the data file
+STREAM_BYTES = 64 * 2**20  # weights in flight while streaming them to disk (onnx_ir's default: 1 GiB)
 DIM_NAMES = {"batch": "batch_size", "seq": "sequence_length", "past": "past_sequence_length",
              "total": "total_sequence_length"}
 
@@ -88,9 +91,17 @@ def _trace_inputs(config: Any, dtype: torch.dtype) -> tuple:
     return ids, mask, pos, past
 
 
-def trace(model: torch.nn.Module):
-    """Export `model` (on CPU, in the dtype it holds) -> onnx.ModelProto with symbolic batch,
-    sequence and past lengths. Raises whatever torch.export raises; the caller wraps it."""
+def trace(model: torch.nn.Module, path: Path, data_file: str):
+    """Export `model` (on CPU, in the dtype it holds) to `path`, its weights streamed to `data_file`
+    beside it, with symbolic batch, sequence and past lengths -> the graph as an onnx.ModelProto
+    whose weights stay in that file (external data). Raises whatever torch.export raises; the
+    caller wraps it.
+
+    Streaming the weights from the exporter's own model to disk, instead of converting it to an
+    in-memory ModelProto first, keeps one copy of the weights fewer in memory (issue 33)."""
+    import onnx
+    import onnx_ir
+
     wrapper = KVDecoder(model).eval()
     dtype = next(model.parameters()).dtype
     ids, mask, pos, past = _trace_inputs(model.config, dtype)
@@ -102,17 +113,22 @@ def trace(model: torch.nn.Module):
         program = torch.onnx.export(wrapper, (ids, mask, pos, *past), dynamo=True, dynamic_shapes=shapes,
                                     input_names=names_in, output_names=names_out,
                                     optimize=True, verbose=False)
-    proto = program.model_proto
+    (path.parent / data_file).unlink(missing_ok=True)
+    onnx_ir.save(program.model, path, external_data=data_file, size_threshold_bytes=WEIGHT_INLINE_BYTES,
+                 max_in_flight_bytes=STREAM_BYTES)
+    del program
+    proto = onnx.load(str(path), load_external_data=False)
     for node in proto.graph.node:  # per-node debug records (FX node, stack trace): not needed to run
         del node.metadata_props[:]
     rename_dims(proto)
-    name_weights(proto, model)
+    name_weights(proto, model, path.parent)
     return proto
 
 
-def name_weights(proto, model: torch.nn.Module) -> None:
+def name_weights(proto, model: torch.nn.Module, folder: Path | None = None) -> None:
     """Name the folded, transposed linear weights (val_123) after their parameters
-    ("model.layers.0.mlp.up_proj.weight.T") so metadata, sparse storage and tools read well."""
+    ("model.layers.0.mlp.up_proj.weight.T") so metadata, sparse storage and tools read well.
+    `folder`: where the weights of a proto with external data are (read one tensor at a time)."""
     import hashlib
 
     from onnx import numpy_helper
@@ -130,7 +146,7 @@ def name_weights(proto, model: torch.nn.Module) -> None:
     for init in proto.graph.initializer:
         if len(init.dims) != 2 or not init.name.startswith("val_"):
             continue
-        array = numpy_helper.to_array(init)
+        array = numpy_helper.to_array(init, base_dir=str(folder) if folder else "")
         new = wanted.get((array.shape, array.dtype.str, digest(array)))
         if new and new not in taken:
             renames[init.name] = new

@@ -189,7 +189,7 @@ def test_missing_model_and_bad_destinations(tiny_llama_dir, tmp_path):
 
 
 def test_failed_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
-    def killed(model, quant, notes):
+    def killed(model, quant, notes, path):
         partial = next(tmp_path.glob(".o.*partial"))  # the folder being written
         (partial / "model.onnx").write_bytes(b"half-written")
         raise KeyboardInterrupt
@@ -203,7 +203,7 @@ def test_failed_export_leaves_nothing(tiny_llama_dir, tmp_path, monkeypatch):
 def test_trace_failure_is_an_export_error(tiny_llama_dir, tmp_path, monkeypatch):
     import exporters.onnx_graph
 
-    def broken(model):
+    def broken(model, path, data_file):
         raise RuntimeError("Could not guard on data-dependent expression u0 > 1")
 
     monkeypatch.setattr(exporters.onnx_graph, "trace", broken)
