@@ -22,12 +22,13 @@ embeddings, norms and the KV cache stay fp32; needs onnxruntime >= 1.22).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -48,19 +49,25 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 
 
 def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool = False,
-           metadata: dict | None = None, check: Callable[[Any, Any, Path], dict] | None = None) -> ExportResult:
+           metadata: dict | None = None, check: Any | None = None) -> ExportResult:
     """Export `model_dir` to the folder `out_dir` (written atomically).
 
-    `check(model, tokenizer, folder) -> dict`: the runtime parity check, run on the finished folder
-    before it is renamed into place (targets.ONNX passes laco_deploy.runtimes.parity.onnx_parity)."""
+    `check`: the runtime parity check in two phases (targets.ONNX passes
+    laco_deploy.runtimes.parity.onnx_parity): `check.reference(model, tokenizer)` runs while the
+    PyTorch model is loaded, `check.compare(reference, tokenizer, folder)` on the finished folder
+    before it is renamed into place, after the PyTorch model is released, so the two never
+    share memory."""
     t0 = time.perf_counter()
     model_dir, out_dir, quant = Path(model_dir), Path(out_dir), str(quant).lower()
     _check_request(model_dir, out_dir, quant)
     model, tokenizer, config = _load(model_dir)
     notes: list[str] = []
     log.info("exporting %s to ONNX %s in %s (sparse storage: %s)", model_dir, quant, out_dir, sparse_storage)
+    reference = check.reference(model, tokenizer) if check is not None else None
     with atomic_dir(out_dir) as tmp:
         proto = _build_graph(model, quant, notes, tmp / MODEL_FILE)
+        del model  # not needed any more: the weights are in the graph
+        gc.collect()
         _add_metadata(proto, config, quant, sparse_storage, metadata)
         dense_bytes = _save(proto, tmp / MODEL_FILE)
         del proto  # the weights are on disk now; the check and sparse storage read them back from there
@@ -71,7 +78,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
         notes += write_genai_config(tmp, sparse_storage=sparse_storage)
         if check is not None:
             log.info("checking the export against PyTorch in onnxruntime")
-            checks.update(check(model, tokenizer, tmp))
+            checks.update(check.compare(reference, tokenizer, tmp))
         size = model_bytes(tmp)
         tmp.chmod(0o755)  # mkdtemp made it private; an export folder is meant to be shared
     if getattr(config, "laco_layer_widths", None):

@@ -29,7 +29,7 @@ class Target:
     quant_types: tuple[str, ...]  # weight types the exporter writes
     default_quant: str
     exporter: str  # "module:function" (model_dir, dest, quant, check=, **options) -> ExportResult
-    check: str  # "module:function" the runtime parity check the exporter calls on what it wrote
+    check: str  # "module:name" the runtime parity check the exporter runs on what it wrote (ONNX: two phases)
     runner: str  # "module:class" CausalRunner(path, device=..., threads=...)
     benchmark: str  # "module:function" (models, *, eval_spec, cfg, device) -> BenchResult
     artifact: str  # export name next to a model: format(stem=, quant=)

@@ -14,8 +14,9 @@ logits are compared. Greedy: both generate the same number of tokens from a shor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -65,19 +66,37 @@ def gguf_parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS)
     return out
 
 
-def onnx_parity(model, tokenizer, folder: Path) -> dict:
-    """Logit parity (prefill + decode) and greedy-text match of the ONNX export in `folder` against
-    the fp32 PyTorch `model` it was traced from."""
-    from laco_deploy.runtimes.onnxrt import OrtDecoder
+@dataclass(frozen=True)
+class OnnxReference:
+    """What the PyTorch model says, computed before the ONNX session opens, so the export can drop
+    the PyTorch model first and never hold both in memory (issue 33)."""
+
+    tokens: torch.Tensor  # [prefill + decode] evaluation token ids
+    prefill: int
+    logits: np.ndarray  # [prefill + decode, vocab] PyTorch's logits, one forward without cache
+    greedy: list[int]  # PyTorch's greedy continuation of tokens[:GREEDY_PROMPT]
+
+
+def onnx_reference(model, tokenizer) -> OnnxReference:
+    """The PyTorch side of the ONNX parity check (fp32 `model`, the one the graph was traced from)."""
     from laco_deploy.data import evaluation_stream
 
-    stream = evaluation_stream(tokenizer, "builtin", PARITY_PREFILL + PARITY_DECODE)
-    prefill = min(PARITY_PREFILL, max(1, stream.numel() - PARITY_DECODE))
+    tokens = evaluation_stream(tokenizer, "builtin", PARITY_PREFILL + PARITY_DECODE)
+    prefill = min(PARITY_PREFILL, max(1, tokens.numel() - PARITY_DECODE))
+    with torch.no_grad():
+        logits = model(tokens.view(1, -1), use_cache=False).logits[0].float().numpy()
+    return OnnxReference(tokens, prefill, logits, torch_greedy(model, tokens[:GREEDY_PROMPT], GREEDY_NEW))
+
+
+def onnx_compare(ref: OnnxReference, tokenizer, folder: Path) -> dict:
+    """Logit parity (prefill + decode) and greedy-text match of the ONNX export in `folder` against
+    the PyTorch reference; onnxruntime-genai too where the folder claims to run there."""
+    from laco_deploy.runtimes.onnxrt import OrtDecoder
+
     decoder = OrtDecoder(folder, device="cpu")
     try:
-        parity = logit_parity(model, decoder, stream, prefill)
-        ref = torch_greedy(model, stream[:GREEDY_PROMPT], GREEDY_NEW)  # one reference for both runtimes
-        greedy = greedy_match(ref, decoder, stream[:GREEDY_PROMPT])
+        parity = logit_parity(ref.logits, decoder, ref.tokens, ref.prefill)
+        greedy = greedy_match(ref.greedy, decoder, ref.tokens[:GREEDY_PROMPT])
     finally:
         del decoder
     out = {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}
@@ -86,15 +105,24 @@ def onnx_parity(model, tokenizer, folder: Path) -> dict:
         from laco_deploy.runtimes.genai import genai_match
 
         text = load_texts("builtin", "eval")[0][:2000]
-        out["genai"] = genai_match(ref, tokenizer, folder, stream[:GREEDY_PROMPT], text)
+        out["genai"] = genai_match(ref.greedy, tokenizer, folder, ref.tokens[:GREEDY_PROMPT], text)
     return out
 
 
-def logit_parity(model, decoder, tokens: torch.Tensor, prefill: int) -> dict:
-    """model: PyTorch causal LM (reference), decoder: laco_deploy.runtimes.onnxrt.OrtDecoder,
-    tokens [prefill + decode] int64 -> max |diff| and top-1 agreement, prefill and decode apart."""
-    with torch.no_grad():
-        ref = model(tokens.view(1, -1), use_cache=False).logits[0].float().numpy()  # [n, vocab]
+class TwoPhaseCheck(NamedTuple):
+    """A parity check in two phases: `reference(model, tokenizer)` while the PyTorch model is
+    loaded, `compare(reference, tokenizer, folder)` after the exporter has released it."""
+
+    reference: Callable[[Any, Any], Any]
+    compare: Callable[[Any, Any, Path], dict]
+
+
+onnx_parity = TwoPhaseCheck(onnx_reference, onnx_compare)
+
+
+def logit_parity(ref: np.ndarray, decoder, tokens: torch.Tensor, prefill: int) -> dict:
+    """ref [n, vocab]: PyTorch's logits (no cache); decoder: laco_deploy.runtimes.onnxrt.OrtDecoder;
+    tokens [n = prefill + decode] int64 -> max |diff| and top-1 agreement, prefill and decode apart."""
     ids = tokens.numpy().astype(np.int64)
     pre_logits, past = decoder.prefill(ids[:prefill])  # [prefill, vocab]
     steps = []

@@ -215,3 +215,25 @@ def test_trace_failure_is_an_export_error(tiny_llama_dir, tmp_path, monkeypatch)
 def test_cli_rejects_bad_type(cli, tiny_llama_dir, tmp_path):
     code, out, err = cli("export", "--model", tiny_llama_dir, "--target", "onnx", "--quant", "q4_k_m", "--out", tmp_path / "o")
     assert code == 2 and "q4_k_m" in out + err and "fp32" in out + err
+
+
+def test_parity_runs_after_the_pytorch_model_is_released(tiny_llama_dir, tmp_path):
+    """The ONNX session opens only once the PyTorch model is gone, so the export never holds both
+    (issue 33): the check's first phase sees the model, its second finds it collected."""
+    import weakref
+
+    from laco_deploy.runtimes.parity import TwoPhaseCheck, onnx_compare, onnx_reference
+
+    seen = {}
+
+    def reference(model, tokenizer):
+        seen["model"] = weakref.ref(model)
+        return onnx_reference(model, tokenizer)
+
+    def compare(ref, tokenizer, folder):
+        seen["alive_at_compare"] = seen["model"]() is not None
+        return onnx_compare(ref, tokenizer, folder)
+
+    result = onnx_exporter.export(tiny_llama_dir, tmp_path / "o", "fp32", check=TwoPhaseCheck(reference, compare))
+    assert seen["alive_at_compare"] is False
+    assert result.checks["parity"]["top1_agreement"] == 1.0
