@@ -146,7 +146,7 @@ def _names(paths: list[str]) -> str:
 
 
 def check_output(path: Path | None, option: str = "output path", *, force: bool = False, kind: str = "folder",
-                 made_here: Any = None, force_option: str = "the force option") -> None:
+                 made_here: Any = None, force_option: str = "the force option", into_what: str = "build") -> None:
     """Refuse, before any work, an output path whose replacement could destroy what laco-deploy did not write.
 
     kind "folder" (a model folder, an ONNX export) or "file" (a .gguf): `path` is replaced whole, so it
@@ -154,7 +154,7 @@ def check_output(path: Path | None, option: str = "output path", *, force: bool 
     files; a file `made_here(path)` recognises) and then only with `force`. Never the current folder
     or one holding it. kind "into" (a build folder): files are written inside `path`, which must be new,
     empty, or pass `made_here(path)`. The message names the path and the choices (`option`, and
-    `force_option`, the caller's name for `force`); nothing is changed.
+    `force_option`, the caller's name for `force`; `into_what`, what kind "into" accepts); nothing is changed.
     """
     if path is None:
         return
@@ -167,11 +167,13 @@ def check_output(path: Path | None, option: str = "output path", *, force: bool 
     if path.is_symlink():
         raise OutputError(f"{option} {path} is a link; laco-deploy does not replace links: choose another {option}")
     if path.exists():
-        _check_existing(path, option, force=force, kind=kind, made_here=made_here, force_option=force_option)
+        _check_existing(path, option, force=force, kind=kind, made_here=made_here, force_option=force_option,
+                        into_what=into_what)
     check_writable(path, option, into=kind == "into")
 
 
-def _check_existing(path: Path, option: str, *, force: bool, kind: str, made_here: Any, force_option: str) -> None:
+def _check_existing(path: Path, option: str, *, force: bool, kind: str, made_here: Any, force_option: str,
+                    into_what: str) -> None:
     keep = f"choose another {option}; laco-deploy replaces only its own outputs (nothing was changed)"
     if kind == "file":
         if path.is_dir():
@@ -188,8 +190,8 @@ def _check_existing(path: Path, option: str, *, force: bool, kind: str, made_her
             if made_here and made_here(path):
                 return
             raise OutputError(f"{option} {path} holds files that laco-deploy did not write ({_names(present)}) and is "
-                              f"not a build folder; choose another {option}: a new or empty folder, or an earlier build "
-                              "folder (nothing was changed)")
+                              f"not a {into_what} folder; choose another {option}: a new or empty folder, or an earlier "
+                              f"{into_what} folder (nothing was changed)")
         listed = _marked_files(path)
         if listed is not None and not listed:  # mark_folder's: a build or checkpoint folder, not an output
             raise OutputError(f"{option} {path} is a laco-deploy build or checkpoint folder, which this does not "

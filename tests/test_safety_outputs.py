@@ -242,3 +242,49 @@ def test_compare_markdown_replaces_only_its_own_table(cli, tmp_path):
     code, _, err = cli("bench", "compare", result, result, "--markdown", md)
     assert code == 2 and "--force" in err, err
     assert cli("bench", "compare", result, result, "--markdown", md, "--force")[0] == 0
+
+
+FIDELITY = ["--eval-samples", "2", "--seqlen", "16", "--device", "cpu", "--no-layerwise"]
+
+
+def test_fidelity_report_never_writes_over_a_users_folder(cli, tiny_llama_dir, tmp_path, monkeypatch):
+    """--report writes fidelity.* inside a folder: a new or empty one, or one laco-deploy wrote (a report
+    or build folder); a folder of the user's, even one holding a fidelity.md, is refused before any work."""
+    def fidelity(report):
+        return cli("fidelity", "--dense", tiny_llama_dir, "--candidate", f"same={tiny_llama_dir}", "--report", report, *FIDELITY)
+
+    users = tmp_path / "mine"
+    sentinels = Sentinels(tmp_path, users, inside=True)
+    (users / "fidelity.md").write_text(PRECIOUS)
+    real_run = importlib.import_module("laco_deploy.fidelity").run
+    monkeypatch.setattr(importlib.import_module("laco_deploy.fidelity"), "run", _never("the fidelity run"))
+    code, _, err = fidelity(users)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--report" in err and "did not write" in err and "choose another --report" in err, err
+    assert sentinels.intact() == [] and (users / "fidelity.md").read_text() == PRECIOUS
+    assert sorted(p.name for p in users.iterdir()) == ["fidelity.md", "keep.txt", "nested"]
+
+    monkeypatch.setattr(importlib.import_module("laco_deploy.fidelity"), "run", real_run)
+    ours = tmp_path / "report"
+    for _ in range(2):  # made and marked by the first run; the second writes its reports again
+        code, _, err = fidelity(ours)
+        assert code == 0, err
+        assert {p.name for p in ours.iterdir()} == {"fidelity.json", "fidelity.md", "fidelity.html", MARKER}
+    assert sentinels.intact() == []
+
+
+def test_report_folders_of_older_versions_and_builds_are_recognised(tmp_path):
+    from laco_deploy.fidelity.report import is_report_folder
+    from laco_deploy.fsutil import mark_folder
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "fidelity.json").write_text(json.dumps({"schema_version": 1, "versions": {"laco_deploy": "0.1"}}))
+    (old / "fidelity.md").write_text("| table |\n")
+    assert is_report_folder(old) and is_report_folder(mark_folder(tmp_path / "build"))
+    (old / "notes.txt").write_text(PRECIOUS)
+    assert not is_report_folder(old)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "fidelity.json").write_text('{"mine": true}')
+    assert not is_report_folder(theirs) and not is_report_folder(tmp_path / "missing")

@@ -12,7 +12,7 @@ from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
 from laco_deploy.errors import GateFailed
 from laco_deploy.fidelity.tasks import parse_task_list
-from laco_deploy.fsutil import check_writable
+from laco_deploy.fsutil import check_output
 
 _F = FidelityConfig()
 
@@ -48,7 +48,9 @@ def fidelity_command(
     fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads,
                              tasks=parse_task_list(tasks), task_limit=task_limit, runtime_ppl_tolerance=runtime_ppl_tolerance)
     check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
-    check_writable(report, "--report", into=True)
+    from laco_deploy.fidelity.report import is_report_folder
+
+    check_output(report, "--report", kind="into", made_here=is_report_folder, into_what="report or build")
     candidates = parse_labeled_paths(candidate)
     from laco_deploy.fidelity import run
     from laco_deploy.fidelity.gates import gate_message

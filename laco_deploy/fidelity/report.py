@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import math
 import os
 from pathlib import Path
@@ -17,15 +18,15 @@ from typing import Any
 from laco_deploy.fidelity.gates import gate_message
 from laco_deploy.fidelity.plots import kl_distribution_png, layer_curves_png
 from laco_deploy.fidelity.verdicts import worse_than_pruned
-from laco_deploy.fsutil import write_json, write_text
+from laco_deploy.fsutil import is_marked, mark_folder, write_json, write_text
 
 _HEAD = ("candidate", "runtime", "KL mean", "KL median", "KL p99", "KL max", "top-1", "Δp(top)", "ppl", "ppl ratio", "gates")
 
 
 def write_reports(result, report_dir: Path) -> dict[str, Path]:
-    """Write the three reports into `report_dir` (created if needed); return kind -> path."""
+    """Write the three reports into `report_dir` (created and marked as laco-deploy's if needed); return kind -> path."""
     data = result.to_dict() if hasattr(result, "to_dict") else result
-    report_dir = Path(report_dir)
+    report_dir = mark_folder(Path(report_dir))  # so a rerun may rewrite its reports, and nothing else replaces it
     paths = {"json": report_dir / "fidelity.json", "md": report_dir / "fidelity.md", "html": report_dir / "fidelity.html"}
     write_json(paths["json"], _json_safe(data))
     write_text(paths["md"], markdown(data))
@@ -33,6 +34,23 @@ def write_reports(result, report_dir: Path) -> dict[str, Path]:
     for path in paths.values():  # temp files are created 0600; reports are meant to be shared
         os.chmod(path, 0o644)
     return paths
+
+
+def is_report_folder(path: Path) -> bool:
+    """Whether laco-deploy wrote the folder `path` (a report or build folder, marked when made; a report
+    folder of an older version: only the three reports, fidelity.json ours). Fidelity writes into such a
+    folder again; into any other non-empty folder it does not (fsutil.check_output, kind "into")."""
+    path = Path(path)
+    if is_marked(path):
+        return True
+    names = {f.name for f in path.iterdir()} if path.is_dir() else set()
+    if not names or not names <= {"fidelity.json", "fidelity.md", "fidelity.html"} or "fidelity.json" not in names:
+        return False
+    try:
+        doc = json.loads((path / "fidelity.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and "laco_deploy" in (doc.get("versions") or {}) and "schema_version" in doc
 
 
 def _json_safe(obj: Any) -> Any:

@@ -24,12 +24,12 @@ def datasets_cache(tmp_path, monkeypatch):
 
 def test_fidelity_tasks_prints_and_writes_the_accuracy_table(cli, trained_dir, perturbed_dirs, tmp_path):
     noisy = perturbed_dirs[max(perturbed_dirs)]
-    code, out, err = cli("fidelity", "--dense", trained_dir, "--candidate", f"noisy={noisy}", "--report", tmp_path,
+    code, out, err = cli("fidelity", "--dense", trained_dir, "--candidate", f"noisy={noisy}", "--report", tmp_path / "rep",
                          "--tasks", SAMPLE, "--task-limit", "8", *SMALL)
     assert code == 0, err
     assert "Zero-shot accuracy" in out and f"| {SAMPLE} | acc | 8 |" in out and "| task | metric | n | dense | noisy |" in out
     assert "only the first 8 documents" in out
-    zs = json.loads((tmp_path / "fidelity.json").read_text())["zeroshot"]
+    zs = json.loads((tmp_path / "rep" / "fidelity.json").read_text())["zeroshot"]
     assert zs["settings"]["limit"] == 8 and zs["settings"]["specs"] == [SAMPLE]
     assert set(zs["models"]) == {"dense", "noisy"} and zs["models"]["noisy"]["tasks"][SAMPLE]["n"] == 8
 
@@ -49,7 +49,7 @@ def test_task_errors_exit_2_before_any_model_runs(cli, trained_dir, tmp_path, mo
 
 
 def test_task_limit_must_be_positive(cli, trained_dir, tmp_path):
-    code, _, err = cli("fidelity", "--dense", trained_dir, "--candidate", trained_dir, "--report", tmp_path,
+    code, _, err = cli("fidelity", "--dense", trained_dir, "--candidate", trained_dir, "--report", tmp_path / "rep",
                        "--tasks", SAMPLE, "--task-limit", "0", *SMALL)
     assert code == 2 and "--task-limit 0" in err
 
