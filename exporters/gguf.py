@@ -14,12 +14,12 @@ back, then handed to the caller's runtime check (`check=`: llama.cpp against PyT
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
 import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -75,7 +75,7 @@ def export(model_dir: Path, out_path: Path, quant: str, *, metadata: dict | None
             with tempfile.TemporaryDirectory(prefix=f".{out_path.name}.", dir=out_path.parent) as work:
                 f32 = Path(work) / "f32.gguf"
                 notes = _write(model_dir, f32, plan, config, QUANTS["f32"], laco)
-                _llama_quantize(f32, tmp, spec, imat)
+                _llama_quantize(f32, tmp, spec, imatrix if imat is not None else None)
         checks = read_back(tmp)
         if check is not None:
             checks.update(check(model_dir, tmp))
@@ -222,41 +222,25 @@ def _write_laco_metadata(writer: gguf.GGUFWriter, values: dict[str, Any], prefix
             writer.add_string(full, json.dumps(value))
 
 
-def _llama_quantize(src: Path, dst: Path, spec: QuantSpec, imatrix: Imatrix | None = None) -> None:
+def _llama_quantize(src: Path, dst: Path, spec: QuantSpec, imatrix: Path | None = None) -> None:
     """Quantize an F32 GGUF with llama.cpp's own k-quant recipes (llama-cpp-python binding), weighting
-    each column's rounding error by `imatrix` when given (as `llama-quantize --imatrix` does)."""
+    each column's rounding error by the importance matrix in the file `imatrix` when given (as
+    `llama-quantize --imatrix` does). The call runs in a child process (llama_quantize_job.py): one C
+    call of tens of seconds would otherwise hold off Ctrl-C; an interrupt here ends the child at once."""
     try:
         import llama_cpp
     except ImportError as e:
         raise ExportError("k-quants need llama-cpp-python: pip install llama-cpp-python (or export q8_0/f16)") from e
-    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's per-tensor log
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, spec.llama_ftype)
-    params.nthread = os.cpu_count() or 1
     if imatrix is not None:
-        entries = gguf_imatrix.ctypes_entries(llama_cpp, imatrix)  # referenced until the call returns
-        params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))
-    with _quiet_stderr():
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise ExportError(f"llama.cpp's quantizer failed ({rc}) making {spec.llama_ftype} from {src}; try export.quant q8_0")
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence C-level stderr (ggml prints per-tensor lines) for the enclosed block."""
-    try:
-        fd = os.dup(2)
-    except OSError:
-        yield
-        return
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(fd, 2)
-            os.close(fd)
+        gguf_imatrix.require_binding(llama_cpp)
+    # the child imports what this process imports (an editable or PYTHONPATH checkout), never the working folder's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "exporters.llama_quantize_job", str(src), str(dst), spec.llama_ftype]
+    proc = subprocess.run(cmd + ([str(imatrix)] if imatrix is not None else []), env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, check=False)
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise ExportError(f"llama.cpp's quantizer failed ({why}) making {spec.llama_ftype} from {src}; try export.quant q8_0")
 
 
 def tensor_types(path: Path) -> dict[str, int]:

@@ -154,11 +154,7 @@ def _read_legacy(path: Path) -> Imatrix:
 def ctypes_entries(llama_cpp, imatrix: Imatrix):
     """`imatrix` as the NULL-terminated `llama_model_imatrix_data` array llama_model_quantize_params
     takes. The array keeps its names and value buffers alive; keep it referenced until the call returns."""
-    entry = getattr(llama_cpp, "llama_model_imatrix_data", None)
-    if entry is None:  # older bindings declare `imatrix` as a pointer to a C++ map, which ctypes cannot build
-        raise ExportError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} cannot pass an importance matrix "
-                          "to llama.cpp's quantizer (no llama_model_imatrix_data); pip install 'llama-cpp-python>=0.3.36', "
-                          "or export without an importance matrix")
+    entry = require_binding(llama_cpp)
     array = (entry * (len(imatrix.values) + 1))()  # zero-filled: the last entry is the terminator
     keep = []
     for slot, (name, values) in zip(array, imatrix.values.items()):
@@ -169,3 +165,13 @@ def ctypes_entries(llama_cpp, imatrix: Imatrix):
         slot.size = buf.size
     array._laco_keep = keep  # ctypes arrays accept attributes: the buffers live as long as the array
     return array
+
+
+def require_binding(llama_cpp):
+    """The binding's `llama_model_imatrix_data` struct, or an ExportError when it has none."""
+    entry = getattr(llama_cpp, "llama_model_imatrix_data", None)
+    if entry is None:  # older bindings declare `imatrix` as a pointer to a C++ map, which ctypes cannot build
+        raise ExportError(f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')} cannot pass an importance matrix "
+                          "to llama.cpp's quantizer (no llama_model_imatrix_data); pip install 'llama-cpp-python>=0.3.36', "
+                          "or export without an importance matrix")
+    return entry
