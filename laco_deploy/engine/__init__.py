@@ -8,7 +8,7 @@ from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.engine.checkpoint import LayerCheckpoints
 from laco_deploy.engine.lazy import LazyModel, capture_inputs
-from laco_deploy.engine.walk import Lane, LayerContext, LayerLoader, Paths, WalkOptions, walk_layers
+from laco_deploy.engine.walk import Lane, LayerContext, LayerLoader, Paths, WalkOptions, walk_layers, walk_side_by_side
 
 __all__ = [
     "ActivationCache",
@@ -23,4 +23,5 @@ __all__ = [
     "capture_inputs",
     "capture_layer_inputs",
     "walk_layers",
+    "walk_side_by_side",
 ]

@@ -2,11 +2,11 @@
 
 Fidelity compares the dense model with its candidates layer by layer. Each model is a
 `ModelStream`: its skeleton (engine.lazy.LazyModel, layers on disk) or a resident model, and one
-activation cache of the windows ([windows, seq, hidden]) that its layers update in place.
-`walk_side_by_side` advances every stream by one decoder layer, layer i of all models before layer
-i + 1, loading each layer just before it runs and releasing it right after; so one decoder layer
-is in memory at a time, whatever the number or size of the models, and the per-layer outputs of
-all models are side by side after each depth (the per-layer error curves).
+activation cache of the windows ([windows, seq, hidden]) that its layers update in place. The
+layer engine's forward-only mode (engine.walk.walk_side_by_side, over each stream's `lane`)
+advances every stream by one decoder layer, layer i of all models before layer i + 1, so one
+decoder layer is in memory at a time and the per-layer outputs of all models are side by side
+after each depth (the per-layer error curves); `Head` turns the last hidden states into logits.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from laco_deploy import families
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.engine.capture import LayerInputs
 from laco_deploy.engine.lazy import LazyModel, capture_inputs
-from laco_deploy.engine.walk import call_layer
+from laco_deploy.engine.walk import Lane, WalkOptions, walk_side_by_side
 from laco_deploy.models import decoder_layers
-from laco_deploy.progress import progress_bar
 
 NORM = ("model.norm",)
 HEAD_BLOCK_BYTES = 16 * 2**20  # fp32 bytes of the LM head read at a time (lazy streams)
@@ -47,6 +46,11 @@ class ModelStream:
     def num_layers(self) -> int:
         return len(decoder_layers(self.model))
 
+    @property
+    def lane(self) -> Lane:
+        """This stream as the layer engine walks it (its layers streamed by `lazy` when on disk)."""
+        return Lane(self.model, self.inputs, self.lazy)
+
 
 def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *,
                 load_resident: Callable[[Path], Any] | None = None, offload: str = "cpu",
@@ -61,38 +65,6 @@ def open_stream(path: Path, input_ids: torch.Tensor, device: torch.device, *,
     lazy = LazyModel.open(path, rest=False) if any(path.glob("*.safetensors")) or load_resident is None else None
     model = lazy.model if lazy is not None else load_resident(path)
     return ModelStream(model, capture_inputs(model, lazy, input_ids, device, offload, workdir), lazy)
-
-
-@torch.no_grad()
-def _advance(stream: ModelStream, i: int, kwargs: dict[str, Any], device: torch.device, batch_size: int) -> None:
-    """Run decoder layer i of one stream over its whole cache, writing the outputs over the inputs
-    (windows are independent, so batch by batch in place is exact)."""
-    layer = decoder_layers(stream.model)[i]
-    if stream.lazy is not None:
-        stream.lazy.load(i, layer)
-    layer.to(device)
-    cache = stream.hidden
-    for start in range(0, len(cache), batch_size):
-        stop = min(start + batch_size, len(cache))
-        cache.store(start, call_layer(layer, cache.batch(start, stop, device), kwargs))
-    layer.to("cpu")
-    if stream.lazy is not None:
-        stream.lazy.release(i, layer)
-
-
-def walk_side_by_side(streams: dict[str, ModelStream], *, device: torch.device, batch_size: int = 8,
-                      on_layer: Callable[[int, dict[str, ModelStream]], None] | None = None, desc: str | None = "") -> None:
-    """Advance every stream through all its decoder layers, depth by depth; after depth i call
-    `on_layer(i, streams)` (streams with fewer layers keep their last outputs). desc None: no bar."""
-    kwargs = {label: s.inputs.kwargs_per_layer(s.num_layers, device) for label, s in streams.items()}
-    depth = max(s.num_layers for s in streams.values())
-    depths = range(depth) if desc is None else progress_bar(range(depth), desc=desc or "layers", unit="layer")
-    for i in depths:
-        for label, stream in streams.items():
-            if i < stream.num_layers:
-                _advance(stream, i, kwargs[label][i], device, batch_size)
-        if on_layer is not None:
-            on_layer(i, streams)
 
 
 class Head:
@@ -165,7 +137,7 @@ def model_logits(path: Path, input_ids: torch.Tensor, device: torch.device) -> t
     engine (one decoder layer in memory; no progress bar: a short check). input_ids [seq] ->
     [seq, vocab] float32 on CPU."""
     stream = open_stream(path, input_ids.view(1, -1), device)
-    walk_side_by_side({"model": stream}, device=device, batch_size=1, desc=None)
+    walk_side_by_side({"model": stream.lane}, WalkOptions(device, batch_size=1, desc=None))
     head = Head(stream, device)
     try:
         return head(stream.hidden.data[0])

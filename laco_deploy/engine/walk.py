@@ -61,14 +61,20 @@ class LayerContext:
         """Call a decoder layer on a batch. hidden [b, seq, hidden] -> [b, seq, hidden]."""
         return call_layer(layer, hidden, self.kwargs)
 
-    @torch.no_grad()
     def run(self, layer: torch.nn.Module, src: ActivationCache, dst: ActivationCache) -> None:
-        amp = (torch.autocast(self.device.type, dtype=self.autocast) if self.autocast is not None
-               else contextlib.nullcontext())
-        with amp:
-            for start in range(0, len(src), self.batch_size):
-                stop = min(start + self.batch_size, len(src))
-                dst.store(start, self.forward(layer, src.batch(start, stop, self.device)))
+        run_layer(layer, src, dst, self.kwargs, self.device, self.batch_size, self.autocast)
+
+
+@torch.no_grad()
+def run_layer(layer: torch.nn.Module, src: ActivationCache, dst: ActivationCache, kwargs: dict[str, Any],
+              device: torch.device, batch_size: int, autocast: torch.dtype | None = None) -> None:
+    """One decoder layer over a whole cache, batch by batch: src [n, seq, hidden] -> dst (may be src:
+    rows are independent, so the outputs overwrite the inputs exactly)."""
+    amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with amp:
+        for start in range(0, len(src), batch_size):
+            stop = min(start + batch_size, len(src))
+            dst.store(start, call_layer(layer, src.batch(start, stop, device), kwargs))
 
 
 def call_layer(layer: torch.nn.Module, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -93,7 +99,7 @@ class WalkOptions:
 
     device: torch.device
     batch_size: int = 8
-    desc: str = ""
+    desc: str | None = ""  # None: no progress bar (a short check)
     # compute dtype of the layer calls that propagate activations (LaCo: its training precision;
     # None: fp32, as fidelity and pruning statistics need); caches stay fp32 either way
     autocast: torch.dtype | None = None
@@ -198,6 +204,27 @@ def _walk_one(i: int, sparse: Lane, dense: Lane | None, caches: _Caches, kwargs:
             checkpoints.save(i, layer, record)
     ctx.run(layer, caches.sparse, caches.sparse)
     return record
+
+
+def walk_side_by_side(lanes: dict[str, Lane], opts: WalkOptions,
+                      on_layer: Callable[[int, dict[str, Lane]], None] | None = None) -> None:
+    """The forward-only mode of the walk (fidelity): every lane advances through its decoder layers,
+    depth by depth, its outputs over its inputs (`lane.inputs.hidden`); after depth i,
+    `on_layer(i, lanes)` sees all of them side by side (lanes with fewer layers keep their last
+    outputs). Each layer is loaded just before it runs and released right after, so one decoder
+    layer is in memory at a time whatever the number of models."""
+    depths = {label: len(decoder_layers(lane.model)) for label, lane in lanes.items()}
+    kwargs = {label: lane.inputs.kwargs_per_layer(depths[label], opts.device) for label, lane in lanes.items()}
+    depth = max(depths.values())
+    steps = range(depth) if opts.desc is None else progress_bar(range(depth), desc=opts.desc or "layers", unit="layer")
+    for i in steps:
+        for label, lane in lanes.items():
+            if i < depths[label]:
+                layer = _load(i, lane).to(opts.device)
+                run_layer(layer, lane.inputs.hidden, lane.inputs.hidden, kwargs[label][i], opts.device, opts.batch_size)
+                _release_layer(i, lane)
+        if on_layer is not None:
+            on_layer(i, lanes)
 
 
 def _load(i: int, lane: Lane) -> torch.nn.Module:

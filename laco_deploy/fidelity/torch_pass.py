@@ -1,7 +1,7 @@
 """PyTorch models in fidelity, on the layer engine: the dense model and its candidates side by side.
 
 Every model embeds the evaluation windows ([windows, seq, hidden], one activation cache each), then
-`engine.forward.walk_side_by_side` advances all of them one decoder layer at a time, streaming the
+the layer engine's forward-only walk (`engine.walk.walk_side_by_side`) advances all of them one decoder layer at a time, streaming the
 layer's weights from safetensors; after each depth the candidates' outputs are compared with the
 dense model's (the per-layer curves). At the end each model's final norm and LM head turn its last
 hidden states into logits, one window at a time. In memory: the caches, one decoder layer, and the
@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from laco_deploy.engine.forward import Head, ModelStream, open_stream, walk_side_by_side
+from laco_deploy.engine.forward import Head, ModelStream, open_stream
+from laco_deploy.engine.walk import WalkOptions, walk_side_by_side
 from laco_deploy.fidelity.layerwise import LayerCurves
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,16 @@ def run_torch_pass(dense_path: Path, candidates: dict[str, Path], windows: torch
     curves = {label: _curves_for(label, streams[label], streams[DENSE], notes) if layerwise else None
               for label in candidates}
 
-    def compare(i: int, by_label: dict[str, ModelStream]) -> None:
-        dense = by_label[DENSE].hidden.data
+    def compare(i: int, _lanes) -> None:
+        dense = streams[DENSE].hidden.data
         for label, c in curves.items():
             if c is not None:
-                cand = by_label[label].hidden.data
+                cand = streams[label].hidden.data
                 for s in range(0, dense.shape[0], CURVE_BATCH):
                     c.add_layer(i, cand[s : s + CURVE_BATCH].to(device), dense[s : s + CURVE_BATCH].to(device))
 
-    walk_side_by_side(streams, device=device, batch_size=batch_size, on_layer=compare, desc="fidelity")
+    walk_side_by_side({label: s.lane for label, s in streams.items()}, WalkOptions(device, batch_size, "fidelity"),
+                      on_layer=compare)
     return TorchPass(streams, curves, device)
 
 

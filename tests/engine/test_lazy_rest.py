@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laco_deploy.engine import LazyModel, capture_layer_inputs
+from laco_deploy.engine import LazyModel, WalkOptions, capture_layer_inputs, walk_side_by_side
 from laco_deploy.engine import forward as F
 from laco_deploy.models import load_model
 
@@ -41,7 +41,7 @@ def test_head_in_vocabulary_blocks_equals_the_whole_head(fixture, request, monke
         want = model(ids.view(1, -1), use_cache=False).logits[0]
     monkeypatch.setattr(F, "HEAD_BLOCK_BYTES", 7 * 4 * model.config.hidden_size)
     stream = F.open_stream(src, ids.view(1, -1), CPU)
-    F.walk_side_by_side({"m": stream}, device=CPU, batch_size=1, desc=None)
+    walk_side_by_side({"m": stream.lane}, WalkOptions(CPU, batch_size=1, desc=None))
     reads = []
     real = stream.lazy.head_blocks
     monkeypatch.setattr(stream.lazy, "head_blocks", lambda rows: (reads.append(b[1].shape[0]) or b for b in real(rows)))
