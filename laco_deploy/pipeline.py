@@ -13,38 +13,34 @@ from pathlib import Path
 from typing import Any, Callable
 
 from laco_deploy import __version__, distributed
+from laco_deploy.checked import Checked, check_build
 from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.fsutil import mark_folder
-from laco_deploy.models import resolve_device
 from laco_deploy.pipeline_stages import BuildRecipe
 from laco_deploy.stagecache import StageCache
 from laco_deploy.versions import package_versions
 
 
-def check_inputs(cfg: BuildConfig) -> None:
-    """Everything about a build's inputs that can be checked before a model is loaded or converted
-    (seconds, not the minutes a bad input would otherwise cost): the device, the model source, the
-    calibration and evaluation texts, the zero-shot tasks. Settings were validated with the config."""
-    from laco_deploy.data import check_texts
-    from laco_deploy.models import check_source
-
-    resolve_device(cfg.model.device)
-    check_source(cfg.model.model, allow_pickle=cfg.model.allow_pickle, trust_remote_code=cfg.model.trust_remote_code,
-                 seqlen=cfg.data.seqlen)
-    check_texts(cfg.data.calib, "calib")
-    check_texts(cfg.data.eval, "eval")
+def check_inputs(cfg: BuildConfig) -> Checked:
+    """A build's boundary, passed once before a model is loaded or converted (seconds, not the
+    minutes a bad input would otherwise cost): the device, every setting, the model source, the
+    calibration and evaluation texts (checked.check_build), the zero-shot tasks. The stages trust it."""
+    checked = check_build(cfg)
     if cfg.fidelity.tasks:
         from laco_deploy.fidelity.tasks import resolve
 
         for task in cfg.fidelity.tasks:
             resolve(task)
+    return checked
 
 
-def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None) -> BuildRecipe:
+def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None,
+            checked: Checked | None = None) -> BuildRecipe:
     """The recipe of a build over its folder's stage cache (the folder is created, a previous
-    manifest's stages become candidates for reuse)."""
-    check_inputs(cfg)
-    device = resolve_device(cfg.model.device)
+    manifest's stages become candidates for reuse). `checked`: what check_inputs(cfg) returned, when
+    the caller passed the boundary already (the CLI does, before its log file exists)."""
+    checked = checked if checked is not None else check_inputs(cfg)
+    device = checked.device
     root = Path(cfg.out)
     mark_folder(root)  # a rerun may build into it again; a user's folder is refused (fsutil.check_output)
     header = {
@@ -56,14 +52,16 @@ def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None
         "seed": cfg.data.seed,
         "versions": package_versions(),
     }
-    return BuildRecipe(cfg, StageCache(root, header, device, on_stage), device)
+    return BuildRecipe(cfg, StageCache(root, header, device, on_stage), checked)
 
 
-def build(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None) -> dict[str, Any]:
-    """Run the whole chain; return the manifest (also written to <out>/manifest.json)."""
+def build(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None,
+          checked: Checked | None = None) -> dict[str, Any]:
+    """Run the whole chain; return the manifest (also written to <out>/manifest.json). `checked`: as
+    for `prepare`."""
     from laco_deploy.summary import summarize
 
-    recipe = prepare(cfg, on_stage)
+    recipe = prepare(cfg, on_stage, checked)
     manifest = recipe.cache.manifest
     manifest["gates_passed"] = recipe.run()
     if distributed.is_main():  # torchrun: the other ranks did not run export and bench themselves

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from laco_deploy.checked import Checked
 from laco_deploy.config import BuildConfig, to_dict
 from laco_deploy.stagecache import Output, StageCache
 from laco_deploy.targets import TARGETS
@@ -71,8 +72,9 @@ def _eval(data) -> dict:
 class BuildRecipe:
     """The stages of one build over a StageCache; `run()` calls them in order."""
 
-    def __init__(self, cfg: BuildConfig, cache: StageCache, device: Any):
-        self.cfg, self.cache, self.device = cfg, cache, device
+    def __init__(self, cfg: BuildConfig, cache: StageCache, checked: Checked):
+        """`checked`: the build's boundary (pipeline.check_inputs), passed once; the stages trust it."""
+        self.cfg, self.cache, self.checked, self.device = cfg, cache, checked, checked.device
         self.target = TARGETS[cfg.export.target]
         self.layout = Layout(cache.root, self.target.name, cfg.export.resolved_quant)
         # the build's one "no recovery" decision: the recovered model's label, None when recovery is off
@@ -106,13 +108,13 @@ class BuildRecipe:
         return src
 
     def prune(self, src: dict[str, Output]) -> Output:
-        from laco_deploy.prune import run as prune
+        from laco_deploy.prune import run_checked as prune
 
         cfg, out = self.cfg, self.layout.pruned
         settings = {"model": to_dict(cfg.model), "data": _calib(cfg.data), "prune": to_dict(cfg.prune)}
         settings["model"].pop("device")
         done = self.cache.run("prune", settings, {"model": src["model"], "calib": src["calib"]}, {"pruned": out},
-                              lambda: prune(cfg.model, cfg.data, cfg.prune, out, resume=cfg.resume, device=self.device))
+                              lambda: prune(self.checked, out, resume=cfg.resume))
         return done.outputs["pruned"]
 
     def compensate(self, src: dict[str, Output], pruned: Output) -> Output:
@@ -120,14 +122,13 @@ class BuildRecipe:
         cfg = self.cfg
         if self.recovery is None:
             return pruned
-        from laco_deploy.compensate import run as compensate
+        from laco_deploy.compensate import run_checked as compensate
 
         out = self.layout.recovered
         settings = {"data": _calib(cfg.data), "compensate": to_dict(cfg.compensate)}
         inputs = {"dense": src["model"], "pruned": pruned, "calib": src["calib"]}
         done = self.cache.run("compensate", settings, inputs, {"recovered": out},
-                              lambda: compensate(cfg.model, cfg.data, cfg.compensate, pruned.path, out,
-                                                 resume=cfg.resume, device=self.device))
+                              lambda: compensate(self.checked, pruned.path, out, resume=cfg.resume))
         return done.outputs["recovered"]
 
     def export(self, src: dict[str, Output], pruned: Output, recovered: Output) -> dict[str, Output]:
@@ -165,7 +166,7 @@ class BuildRecipe:
 
     def fidelity(self, src: dict[str, Output], pruned: Output, recovered: Output, exported: dict[str, Output]) -> bool:
         """Fidelity reports for the pruned, recovered and exported models; -> whether every gate passed."""
-        from laco_deploy.fidelity import run as fidelity
+        from laco_deploy.fidelity import run_checked as fidelity
         from laco_deploy.fidelity.gates import verdict
 
         cfg = self.cfg
@@ -182,8 +183,7 @@ class BuildRecipe:
         outputs = {name: self.layout.root / name for name in ("fidelity.json", "fidelity.md", "fidelity.html")}
         paths = {label: out.path for label, out in candidates.items()}
         done = self.cache.run("fidelity", settings, inputs, outputs,
-                              lambda: fidelity(cfg.model, cfg.data, cfg.fidelity, paths, self.layout.root, device=self.device,
-                                               runtime_dense=exported["dense"].path))
+                              lambda: fidelity(self.checked, paths, self.layout.root, runtime_dense=exported["dense"].path))
         return verdict(done.result)
 
     def bench(self, exported: dict[str, Output]) -> None:

@@ -23,7 +23,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contracts", ("laco_deploy", D + "errors", D + "config", D + "presets", D + "targets", D + "artifacts",
                    D + "families", D + "structured", D + "fsutil", D + "versions", D + "devices", D + "flops",
                    D + "memory", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence")),
-    ("models", (D + "modelcheck", D + "models", D + "sizing")),
+    ("models", (D + "modelcheck", D + "models", D + "sizing", D + "checked")),
     ("engine, exporters", (D + "engine", "exporters")),
     ("runtimes", (D + "runtimes",)),
     ("stages", (D + "prune", D + "compensate", D + "fidelity", D + "imatrix")),

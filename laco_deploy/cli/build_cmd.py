@@ -74,12 +74,12 @@ def build_command(
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
         "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,
     }
-    _build(_settings(config, preset, overrides), preset, as_json)
+    _build(*_settings(config, preset, overrides), preset, as_json)
 
 
-def _settings(config: Path | None, preset: str | None, overrides: dict[str, Any]) -> BuildConfig:
-    """The build's settings (preset < config file < flags), checked with its inputs before the build
-    folder and its log exist: a bad input leaves nothing behind."""
+def _settings(config: Path | None, preset: str | None, overrides: dict[str, Any]) -> tuple[BuildConfig, Any]:
+    """The build's settings (preset < config file < flags) and its boundary (pipeline.check_inputs),
+    passed before the build folder and its log exist: a bad input leaves nothing behind."""
     from laco_deploy.buildconfig import merge, read_config_file
     from laco_deploy.pipeline import check_inputs
     from laco_deploy.presets import layer, preset_values
@@ -90,11 +90,10 @@ def _settings(config: Path | None, preset: str | None, overrides: dict[str, Any]
         file_values = layer(preset_values(preset), file_values, {k for k, v in overrides.items() if v is not None})
     cfg = merge(file_values, overrides)
     check_output(Path(cfg.out), "--out", kind="into", made_here=is_build_folder)
-    check_inputs(cfg)
-    return cfg
+    return cfg, check_inputs(cfg)
 
 
-def _build(cfg: BuildConfig, preset: str | None, as_json: bool) -> None:
+def _build(cfg: BuildConfig, checked, preset: str | None, as_json: bool) -> None:
     """Run the build into its folder, logging to build.log; print the summary; a failed gate exits 1."""
     from laco_deploy.pipeline import build
     from laco_deploy.summary import summary_lines
@@ -106,7 +105,7 @@ def _build(cfg: BuildConfig, preset: str | None, as_json: bool) -> None:
                    f"{cfg.prune.method} {cfg.prune.pattern or cfg.prune.structured or cfg.prune.sparsity}, "
                    f"recover {cfg.compensate.method}; full log in {log_path})")
         status_words = {"running": "[cyan]running[/]", "reused": "[green]reused (inputs and settings unchanged)[/]", "done": "[green]done[/]"}
-        manifest = build(cfg, on_stage=lambda s, st: output.say(f"stage {s:<10} {st}", f"stage {s:<10} {status_words.get(st, st)}"))
+        manifest = build(cfg, lambda s, st: output.say(f"stage {s:<10} {st}", f"stage {s:<10} {status_words.get(st, st)}"), checked)
         summary = manifest["summary"]
         lines = summary_lines(summary, cfg.out)
         for line in lines:

@@ -17,7 +17,6 @@ from laco_deploy.cli.common import (
     SeedOpt,
     SeqlenOpt,
     ForceOpt,
-    check,
     check_model_out,
     console,
     model_config,
@@ -103,15 +102,13 @@ def compensate_command(
 
 def _run(mcfg: ModelConfig, dcfg: DataConfig, ccfg: CompensateConfig, sparse: Path, out: Path, *, resume: bool,
          force: bool, json_out: Path | None) -> None:
-    check(dcfg.validate() + ccfg.validate())
     check_model_out(out, force)
     from laco_deploy.artifacts import ModelDirResult
 
     check_output(json_out, "--json", force=force, kind="file", made_here=ModelDirResult.written_at, force_option="--force")
     from laco_deploy.compensate import run
-    from laco_deploy.models import resolve_device
 
-    result = run(mcfg, dcfg, ccfg, sparse, out, resume=resume, device=resolve_device(mcfg.device))
+    result = run(mcfg, dcfg, ccfg, sparse, out, resume=resume)  # through the stage's boundary
     _summary(result)
     if json_out is not None:
         from laco_deploy.fsutil import write_json

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from laco_deploy.cli.app import app
-from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, TrustRemoteCodeOpt, check, console, parse_labeled_paths
+from laco_deploy.cli.common import DeviceOpt, EvalOpt, EvalSamplesOpt, SeqlenOpt, TrustRemoteCodeOpt, console, parse_labeled_paths
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig
 from laco_deploy.errors import GateFailed
 from laco_deploy.fidelity.tasks import parse_task_list
@@ -47,16 +47,17 @@ def fidelity_command(
     data_cfg = DataConfig(eval=eval_, eval_samples=eval_samples, seqlen=seqlen)
     fid_cfg = FidelityConfig(max_kl=max_kl, min_top1=min_top1, max_ppl_ratio=max_ppl_ratio, layerwise=layerwise, threads=threads,
                              tasks=parse_task_list(tasks), task_limit=task_limit, runtime_ppl_tolerance=runtime_ppl_tolerance)
-    check(model_cfg.validate() + data_cfg.validate() + fid_cfg.validate())
+    from laco_deploy.checked import check as check_boundary
+    from laco_deploy.fidelity import run_checked
     from laco_deploy.fidelity.report import is_report_folder
 
+    checked = check_boundary(model_cfg, data_cfg, fidelity=fid_cfg)  # the stage's boundary, once
     check_output(report, "--report", kind="into", made_here=is_report_folder, into_what="report or build")
     candidates = parse_labeled_paths(candidate)
-    from laco_deploy.fidelity import run
     from laco_deploy.fidelity.gates import gate_message
     from laco_deploy.fidelity.report import markdown
 
-    result = run(model_cfg, data_cfg, fid_cfg, candidates, report, runtime_dense=runtime_dense)
+    result = run_checked(checked, candidates, report, runtime_dense=runtime_dense)
     console.print(markdown(result.to_dict()), markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {', '.join(result.reports.values())}", markup=False, highlight=False, soft_wrap=True)
     failed = [g for g in result.gates if not g["passed"]]

@@ -74,8 +74,8 @@ def prune_command(
     One decoder layer at a time is on the device; each layer is pruned from the outputs of its
     already pruned predecessors. Writes safetensors, the tokenizer and sparsity.json.
     """
-    from laco_deploy.models import resolve_device
-    from laco_deploy.prune import run
+    from laco_deploy.checked import check as check_boundary
+    from laco_deploy.prune import run_checked
 
     check(sparsity_conflicts({"sparsity": sparsity, "pattern": pattern, "structured": structured}))
     mcfg = model_config(model, device, allow_pickle, trust_remote_code)
@@ -84,9 +84,9 @@ def prune_command(
                        structured_metric=structured_metric, structured_multiple=structured_multiple, targets=parse_targets(targets), sparsegpt_damp=damp,
                        sparsegpt_blocksize=blocksize, owl=owl, owl_lambda=owl_lambda, owl_m=owl_m, offload=offload,
                        batch_size=batch_size)
-    check(pcfg.validate())
+    checked = check_boundary(mcfg, dcfg, prune=pcfg)  # the stage's boundary, once, before the output checks
     check_model_out(out, force)
-    result = run(mcfg, dcfg, pcfg, out, resume=resume, device=resolve_device(mcfg.device))
+    result = run_checked(checked, out, resume=resume)
     if as_json:
         import json
 

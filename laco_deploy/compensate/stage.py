@@ -19,6 +19,7 @@ import torch
 from laco_deploy import data as data_mod
 from laco_deploy import devices, distributed, sizing
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
+from laco_deploy.checked import Checked, check
 from laco_deploy.compensate import laco, lora, steps, streamed
 from laco_deploy.compensate.budget import Budget, resolve_budget
 from laco_deploy.compensate.guard import ModelGuard, restore_layers_from
@@ -28,27 +29,19 @@ from laco_deploy.compensate.train import amp_dtype, resolve_precision
 from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
 from laco_deploy.fsutil import atomic_dir, reuse_key, sha256_tree
-from laco_deploy.models import check_source, resolve_device, source_fingerprint
+from laco_deploy.models import check_source, source_fingerprint
 from laco_deploy.throughput import matmul_gflops
 
 log = logging.getLogger(__name__)
 
 
-def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path) -> None:
-    errors = model_cfg.validate() + data_cfg.validate() + comp_cfg.validate()
-    if errors:
-        raise ConfigError("; ".join(errors))
+def _check_sparse(sparse_dir: Path, comp_cfg: CompensateConfig, trust_remote_code: bool) -> None:
+    """The pruned model folder a caller names (a build's own prune output needs no check)."""
     if not sparse_dir.is_dir() or not (sparse_dir / "config.json").is_file():
         raise ModelError(f"pruned model directory {sparse_dir} not found (no config.json there); "
                          "prune a model into DIR first (prune.out DIR) and pass DIR as compensate.sparse")
     if comp_cfg.method != "none":  # before either model loads
-        trust = model_cfg.trust_remote_code
-        check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=trust, seqlen=data_cfg.seqlen)
-        check_source(str(sparse_dir), trust_remote_code=trust)
-        data_mod.check_texts(data_cfg.calib, "calib")
-    if comp_cfg.method == "lora" and distributed.world() > 1:
-        raise ConfigError("compensate.method lora trains the whole model in one process and is not split over torchrun "
-                          "ranks; run it without torchrun (or set compensate.method to laco)")
+        check_source(str(sparse_dir), trust_remote_code=trust_remote_code)
 
 
 def check_compatible(dense_cfg: Any, sparse_cfg: Any, dense_dir: str, sparse_dir: Path) -> None:
@@ -124,12 +117,25 @@ def _plan(comp_cfg: CompensateConfig, data_cfg: DataConfig, device: torch.device
 
 def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path, out_dir: Path, *,
         resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
-    """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`."""
+    """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`;
+    after the boundary's checks (checked.check; a build passes it once and calls run_checked)."""
+    sparse_dir = Path(sparse_dir)
+    copy = comp_cfg.method == "none"  # a copy reads neither the dense model nor the texts, on no device
+    checked = check(model_cfg, data_cfg, torch.device("cpu") if copy else device, compensate=comp_cfg,
+                    reads_inputs=not copy)
+    _check_sparse(sparse_dir, comp_cfg, model_cfg.trust_remote_code)
+    return run_checked(checked, sparse_dir, out_dir, resume=resume)
+
+
+def run_checked(c: Checked, sparse_dir: Path, out_dir: Path, *, resume: bool = False) -> ModelDirResult:
+    """`run` on settings and inputs that passed the boundary."""
+    model_cfg, data_cfg, comp_cfg, device = c.model, c.data, c.compensate, c.device
     sparse_dir, out_dir = Path(sparse_dir), Path(out_dir)
-    _validate(model_cfg, data_cfg, comp_cfg, sparse_dir)
+    if comp_cfg.method == "lora" and distributed.world() > 1:
+        raise ConfigError("compensate.method lora trains the whole model in one process and is not split over torchrun "
+                          "ranks; run it without torchrun (or set compensate.method to laco)")
     if comp_cfg.method == "none":
         return _copy_only(sparse_dir, out_dir, comp_cfg)
-    device = device if device is not None else resolve_device(model_cfg.device)
     comp_cfg, budget, step_plan = _plan(comp_cfg, data_cfg, device, sparse_dir)
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
     ckpt = checkpoint_dir(out_dir)

@@ -5,6 +5,6 @@ Face directory, an ONNX export or a GGUF file) on the same evaluation tokens and
 fidelity.json (schema: schema.json next to this file), fidelity.md and fidelity.html.
 """
 
-from laco_deploy.fidelity.evaluate import FidelityResult, run
+from laco_deploy.fidelity.evaluate import FidelityResult, run, run_checked
 
-__all__ = ["FidelityResult", "run"]
+__all__ = ["FidelityResult", "run", "run_checked"]

@@ -26,8 +26,9 @@ import torch
 
 from laco_deploy import distributed
 from laco_deploy.artifacts import Artifact
+from laco_deploy.checked import Checked, check
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
-from laco_deploy.data import check_texts, eval_domains, evaluation_windows, in_domain, sample_format
+from laco_deploy.data import eval_domains, evaluation_windows, in_domain, sample_format
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
@@ -36,7 +37,7 @@ from laco_deploy.fidelity.sums import Stats
 from laco_deploy.fidelity.tasks import load_tasks
 from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
 from laco_deploy.fidelity.verdicts import runtime_agreement
-from laco_deploy.models import check_source, load_model, local_model_dir, resolve_device
+from laco_deploy.models import load_model, local_model_dir
 from laco_deploy.progress import progress_bar
 from laco_deploy.runtimes.runner import open_runner
 from laco_deploy.targets import target_for_path
@@ -77,11 +78,20 @@ def run(
     """Compare each candidate with the dense model `model_cfg.model`, write the three reports into
     `report_dir` and return the result. Failed gates set `passed=False`; raising is the caller's call.
     `runtime_dense`: the dense model exported for a runtime (.gguf, ONNX); scored on the same windows,
-    it checks that PyTorch and the runtime agree on the dense model (`runtime_agreement`)."""
-    _check(model_cfg, data_cfg, fid_cfg, candidates)
+    it checks that PyTorch and the runtime agree on the dense model (`runtime_agreement`). The settings
+    and inputs pass the boundary first (checked.check; a build passes it once and calls run_checked)."""
+    checked = check(model_cfg, data_cfg, device, fidelity=fid_cfg)
+    return run_checked(checked, candidates, report_dir, runtime_dense=runtime_dense)
+
+
+def run_checked(c: Checked, candidates: dict[str, str | Path], report_dir: Path, *,
+                runtime_dense: str | Path | None = None) -> FidelityResult:
+    """`run` on settings and inputs that passed the boundary."""
+    model_cfg, data_cfg, fid_cfg, device = c.model, c.data, c.fidelity, c.device
+    if not candidates:
+        raise ConfigError("no candidate given; pass at least one model to compare, e.g. fidelity.candidate pruned=out/pruned")
     t0 = time.perf_counter()
     zs_tasks = load_tasks(fid_cfg.tasks) if fid_cfg.tasks else None
-    device = device if device is not None else resolve_device(model_cfg.device)
     runtime_cands, torch_cands = _split_candidates(candidates)
     reference = _runtime_reference(runtime_dense)
     dense_dir = local_model_dir(model_cfg.model)
@@ -137,18 +147,6 @@ def _score(dense_dir: Path, torch_cands: dict[str, Path], runtime_cands: dict[st
         stats[label] = _score_runtime(label, path, mine, my_domain, tp, fid_cfg)
     tp.close()
     return _gather(dense_nll, dense_by_domain, stats)
-
-
-def _check(model_cfg: ModelConfig, data_cfg: DataConfig, fid_cfg: FidelityConfig, candidates: dict) -> None:
-    """Settings, the dense model and the texts, before any model loads."""
-    errs = model_cfg.validate() + data_cfg.validate() + fid_cfg.validate()
-    if errs:
-        raise ConfigError("; ".join(errs))
-    if not candidates:
-        raise ConfigError("no candidate given; pass at least one model to compare, e.g. fidelity.candidate pruned=out/pruned")
-    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code,
-                 seqlen=data_cfg.seqlen)
-    check_texts(data_cfg.eval, "eval")
 
 
 @dataclass(frozen=True)

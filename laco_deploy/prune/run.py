@@ -19,6 +19,7 @@ import torch
 from laco_deploy import data as data_mod
 from laco_deploy import distributed, families
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
+from laco_deploy.checked import Checked, check
 from laco_deploy.config import (
     PRUNABLE_LINEARS,
     DataConfig,
@@ -33,11 +34,9 @@ from laco_deploy.memory import measure
 from laco_deploy.models import (
     HUB,
     check_architecture,
-    check_source,
     linear_modules,
     load_model,
     local_dir,
-    resolve_device,
     resolve_source,
     save_model,
     source_fingerprint,
@@ -45,15 +44,6 @@ from laco_deploy.models import (
 from laco_deploy.prune import owl, record, step, structural
 
 log = logging.getLogger(__name__)
-
-
-def _validate(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig) -> None:
-    errors = model_cfg.validate() + data_cfg.validate() + prune_cfg.validate()
-    if errors:
-        raise ConfigError("; ".join(errors))
-    check_source(model_cfg.model, allow_pickle=model_cfg.allow_pickle, trust_remote_code=model_cfg.trust_remote_code,
-                 seqlen=data_cfg.seqlen)  # before the model loads
-    data_mod.check_texts(data_cfg.calib, "calib")
 
 
 def _calibration_record(data_cfg: DataConfig) -> dict:
@@ -129,10 +119,15 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
 
 def run(model_cfg: ModelConfig, data_cfg: DataConfig, prune_cfg: PruneConfig, out_dir: Path, *,
         resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
-    """Prune the dense model of `model_cfg` and write it to `out_dir` (HF dir + sparsity.json)."""
-    _validate(model_cfg, data_cfg, prune_cfg)
+    """Prune the dense model of `model_cfg` and write it to `out_dir` (HF dir + sparsity.json), after
+    the boundary's checks (checked.check; a build passes it once and calls run_checked)."""
+    return run_checked(check(model_cfg, data_cfg, device, prune=prune_cfg), out_dir, resume=resume)
+
+
+def run_checked(c: Checked, out_dir: Path, *, resume: bool = False) -> ModelDirResult:
+    """`run` on settings and inputs that passed the boundary."""
+    model_cfg, data_cfg, prune_cfg, device = c.model, c.data, c.prune, c.device
     out_dir = Path(out_dir)
-    device = device if device is not None else resolve_device(model_cfg.device)
     ckpt = checkpoint_dir(out_dir)
     calib = _calibration_record(data_cfg)
     log.debug("prune settings: %s; calibration: %s; device %s", to_dict(prune_cfg), calib, device)
