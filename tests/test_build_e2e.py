@@ -30,9 +30,16 @@ def _weights(d):
     return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
-def test_gguf_build_complete_then_reused(tiny_llama_dir, tmp_path):
+def test_gguf_build_complete_then_reused(tiny_llama_dir, tmp_path, monkeypatch):
+    import laco_deploy.checked as boundary
+
     out = tmp_path / "build"
+    calls = []
+    for name in ("check_source", "check_texts", "resolve_device"):  # the boundary's checks, counted
+        real = getattr(boundary, name)
+        monkeypatch.setattr(boundary, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     manifest = build(_cfg(tiny_llama_dir, out))
+    assert sorted(calls) == ["check_source", "check_texts", "check_texts", "resolve_device"]  # once per build
     for name in ("pruned/config.json", "recovered/config.json", "model.q8_0.gguf", "fidelity.json", "fidelity.md",
                  "fidelity.html", "bench.json", "manifest.json", "reference/dense.q8_0.gguf"):
         assert (out / name).exists(), name
