@@ -102,28 +102,20 @@ def test_layer_engine_equals_whole_model_fidelity(trained_dir, perturbed_dirs, o
 
 def test_one_decoder_layer_in_memory_at_a_time(trained_dir, perturbed_dirs, monkeypatch, tmp_path):
     """While the models are walked, every decoder layer but the one running stays on `meta`."""
-    from laco_deploy.engine import forward as F
+    from laco_deploy.engine import walk as W
 
     seen: list[int] = []
-    streams_seen: list = []
-    real_advance = F._advance
+    models_seen: list = []
+    real_load = W._load
 
-    def spy(stream, i, kwargs, device, batch_size):
-        streams_seen.append(stream)
-        real_load = stream.lazy.load
+    def spy(i, lane):  # the walk brings layer i of one model in: count what is not on `meta` then
+        layer = real_load(i, lane)
+        models_seen.append(lane.model)
+        live = {id(m): m for m in models_seen}.values()
+        seen.append(sum(not p.is_meta for m in live for layer_ in m.model.layers for p in layer_.parameters()))
+        return layer
 
-        def load(j, layer):
-            real_load(j, layer)
-            live = {id(s): s for s in streams_seen}.values()
-            seen.append(sum(not p.is_meta for s in live for layer_ in s.model.model.layers for p in layer_.parameters()))
-
-        stream.lazy.load = load
-        try:
-            real_advance(stream, i, kwargs, device, batch_size)
-        finally:
-            del stream.lazy.load
-
-    monkeypatch.setattr(F, "_advance", spy)
+    monkeypatch.setattr(W, "_load", spy)
     cands = {"mild": perturbed_dirs[min(perturbed_dirs)], "strong": perturbed_dirs[max(perturbed_dirs)]}
     run(ModelConfig(model=str(trained_dir), device="cpu"), DataConfig(eval="builtin", eval_samples=2, seqlen=32),
         FidelityConfig(), cands, tmp_path)
