@@ -101,7 +101,7 @@ def test_library_build_checks_inputs_before_the_folder_or_a_model(tmp_path, monk
     from laco_deploy import pipeline
     from laco_deploy.buildconfig import merge
 
-    monkeypatch.setattr(importlib.import_module("laco_deploy.prune"), "run", _never("pruning"))
+    monkeypatch.setattr(importlib.import_module("laco_deploy.prune"), "run_checked", _never("pruning"))  # a build's entry
     cfg = merge({}, {"model.model": str(inputs["TINY"]), "data.calib": str(inputs["EMPTY"]), "out": str(tmp_path / "b")})
     with pytest.raises(DataError, match="holds no text"):
         pipeline.build(cfg)

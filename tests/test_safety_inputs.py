@@ -171,7 +171,7 @@ def test_hub_offline_is_not_called_missing(cli, monkeypatch):
 def test_interrupt_suggests_resume_only_where_the_command_has_it(cli, tiny_llama_dir, tmp_path, monkeypatch, command, resume):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(importlib.import_module("laco_deploy.prune"), "run", interrupted)
+    monkeypatch.setattr(importlib.import_module("laco_deploy.prune"), "run_checked", interrupted)  # what the command runs
     monkeypatch.setattr(importlib.import_module("laco_deploy.targets").Target, "export", interrupted)
     args = {"prune": ["prune", "--model", tiny_llama_dir, "--out", tmp_path / "p", *FAST],
             "export": ["export", "--model", tiny_llama_dir, "--out", tmp_path / "m.gguf"]}[command]

@@ -30,8 +30,9 @@ def _never(what: str):
 @pytest.fixture()
 def no_work(monkeypatch):
     """Every command's slow step fails the test when reached."""
-    monkeypatch.setattr(importlib.import_module("laco_deploy.prune"), "run", _never("pruning"))
-    monkeypatch.setattr(importlib.import_module("laco_deploy.compensate"), "run", _never("compensation"))
+    for stage, what in (("prune", "pruning"), ("compensate", "compensation")):  # the boundary's entry and the trusted one
+        for entry in ("run", "run_checked"):
+            monkeypatch.setattr(importlib.import_module(f"laco_deploy.{stage}"), entry, _never(what))
     monkeypatch.setattr(importlib.import_module("laco_deploy.pipeline"), "build", _never("the build"))
     monkeypatch.setattr(importlib.import_module("laco_deploy.targets").Target, "export", _never("the export"))
     monkeypatch.setattr(importlib.import_module("laco_deploy.imatrix"), "compute", _never("the importance matrix"))
