@@ -58,17 +58,17 @@ def _outlier_step(targets: tuple[str, ...], m: float):
 
 def layer_ratios(model, inputs: LayerInputs, sparsity: float, targets: tuple[str, ...], owl: tuple[float, float] | None,
                  *, device: torch.device, batch_size: int, cache_file: Path | None = None, resume: bool = False,
-                 loader=None) -> list[float]:
+                 key: str = "", loader=None) -> list[float]:
     """Sparsity ratio per decoder layer: uniform `sparsity` (prune.sparsity), or OWL's when `owl` is
     (prune.owl_lambda, prune.owl_m), which needs one extra dense pass over the `targets` linears.
 
-    With `resume`, ratios computed by the interrupted run are reused from `cache_file`. `loader`:
+    With `resume`, ratios computed by the interrupted run are reused from `cache_file` when it holds
+    `key` (the walk's reuse key: settings and the model's and texts' content hashes). `loader`:
     the engine's layer loader when layers live on disk.
     """
     n_layers = model.config.num_hidden_layers
     if owl is None:
         return [sparsity] * n_layers
-    key = [sparsity, owl[0], owl[1], list(targets)]
     if resume and cache_file is not None and distributed.agree(_cached(cache_file, key, n_layers) is not None):
         return _cached(cache_file, key, n_layers)
     probe = inputs.hidden.clone_empty()
@@ -82,7 +82,7 @@ def layer_ratios(model, inputs: LayerInputs, sparsity: float, targets: tuple[str
     return ratios
 
 
-def _cached(cache_file: Path, key: list, n_layers: int) -> list[float] | None:
+def _cached(cache_file: Path, key: str, n_layers: int) -> list[float] | None:
     """The ratios an interrupted run with the same OWL settings computed, if any."""
     if not cache_file.is_file():
         return None

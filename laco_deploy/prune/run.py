@@ -110,7 +110,7 @@ def _prune_layers(src: _Source, ids: torch.Tensor, prune_cfg: PruneConfig, finge
     owl_on = (prune_cfg.owl_lambda, prune_cfg.owl_m) if prune_cfg.owl else None
     ratios = owl.layer_ratios(src.model, inputs, prune_cfg.sparsity, prune_cfg.targets, owl_on, device=device,
                               batch_size=prune_cfg.batch_size, cache_file=ckpt / "owl.json", resume=resume,
-                              loader=src.lazy.without_spill() if src.lazy is not None else None)
+                              key=fingerprint["key"], loader=src.lazy.without_spill() if src.lazy is not None else None)
     records = walk_layers(Lane(src.model, inputs, src.lazy), _make_step(prune_cfg, ratios),
                           WalkOptions(device, prune_cfg.batch_size, "prune"),
                           checkpoints=LayerCheckpoints(ckpt, fingerprint, resume))
