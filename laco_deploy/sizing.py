@@ -58,13 +58,18 @@ def largest_rest(w: dict[str, int]) -> int:
     return max(w["embed"], w["head"])
 
 
-def final_kl_terms(w: dict[str, int], tokens: int, optimizer: str) -> dict[str, int]:
+def final_kl_terms(w: dict[str, int], tokens: int, optimizer: str, kept: float = 1.0, on_disk: bool = False) -> dict[str, int]:
     """What the final KL pass (compensate/distill.py, klpass.py) adds to the model it trains: the
-    optimizer's state (Adafactor: out + in numbers per matrix; AdamW: two moments per weight), the
-    masks as bits, every layer's input for one batch of `tokens`, one layer's training (its
-    gradients, autocast's half-precision copies, the recomputed activations) and the logits of one
-    chunk of tokens with their softmax and gradient (~12 fp32 copies)."""
-    state = 2 * w["layers"] if optimizer == "adamw" else w["linear_dims"]
+    optimizer's state (Adafactor: out + in numbers per matrix; AdamW: two moments per kept weight,
+    `kept` the share the pruning kept, held between steps in memory or, `on_disk`, in files
+    (compensate/optstate.py), plus the attached layer's moments at full size), the masks as bits,
+    every layer's input for one batch of `tokens`, one layer's training (its gradients, autocast's
+    half-precision copies, the recomputed activations) and the logits of one chunk of tokens with
+    their softmax and gradient (~12 fp32 copies)."""
+    if optimizer == "adamw":
+        state = 2 * w["layer_max"] + (0 if on_disk else int(2 * w["layers"] * kept))
+    else:
+        state = w["linear_dims"]
     return {"optimizer": state, "masks": w["layers"] // (8 * FP32),
             "layer inputs": w["num_layers"] * tokens * w["hidden"] * FP32,
             "layer training": w["layer_max"] + w["layer_max"] // 2 + 2 * layer_batch_bytes(w, tokens),

@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -37,6 +38,7 @@ import torch
 
 from laco_deploy import devices, distributed, families, sizing
 from laco_deploy.compensate.klpass import LayerStack, chunked_kl
+from laco_deploy.compensate.optstate import LayerStates
 from laco_deploy.compensate.streamed import RAM_SHARE
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw
 from laco_deploy.config import CompensateConfig
@@ -97,14 +99,15 @@ def _make_optimizer(kind: str, p: torch.nn.Parameter, device: torch.device) -> t
 class StepInBackward:
     """The optimizer applied to each weight as soon as its gradient is complete in the backward, and
     the gradient freed right after: the pass never holds more than one layer's gradients. Layers are
-    attached while they are backpropagated; their optimizer state and masks are kept by (layer,
-    name) in between, so a streamed layer read again from disk (new tensors) continues where it was.
+    attached while they are backpropagated; in between, their masks are kept by (layer, name) and their
+    optimizer state by layer in optstate.LayerStates (kept entries only; in memory or on disk), so a
+    streamed layer read again from disk (new tensors) continues where it was.
     Before the step the gradient is summed over torchrun ranks and masked; after it +0.0 goes back
     under the mask (masks.MaskFactors' arithmetic)."""
 
-    def __init__(self, kind: str, targets: tuple[str, ...], device: torch.device):
+    def __init__(self, kind: str, targets: tuple[str, ...], device: torch.device, states: LayerStates):
         self.kind, self.targets, self.device, self.lr = kind, targets, device, 0.0
-        self.state: dict[tuple[int, str], dict] = {}
+        self.states = states
         self.masks: dict[tuple[int, str], MaskBits | None] = {}
         self.live: dict[int, tuple[str, torch.optim.Optimizer, MaskBits | None]] = {}
         self.hooks: list = []
@@ -118,28 +121,39 @@ class StepInBackward:
         return out
 
     def attach(self, index: int, layer: torch.nn.Module) -> None:
-        for name, p in self.params(index, layer):
+        params = self.params(index, layer)
+        for name, p in params:
             key = (index, name)
             if key not in self.masks:  # first sight: the walk's weights, zero exactly where pruned
                 keep = p.detach() != 0
                 self.masks[key] = None if name.endswith(".bias") or bool(keep.all()) else MaskBits(keep)
+        saved = self.states.get(index, self._keep(index, params), self.device)
+        for name, p in params:
             opt = _make_optimizer(self.kind, p, self.device)
-            if key in self.state:
-                opt.state[p] = self.state[key]
+            if name in saved:
+                opt.state[p] = saved[name]
             p.requires_grad_(True)
-            self.live[id(p)] = (name, opt, self.masks[key])
+            self.live[id(p)] = (name, opt, self.masks[(index, name)])
             self.hooks.append(p.register_post_accumulate_grad_hook(lambda q, i=index: self._step(q, i)))
 
     def detach(self, index: int, layer: torch.nn.Module) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
-        for name, p in self.params(index, layer):
+        params = self.params(index, layer)
+        states = {}
+        for name, p in params:
             _, opt, _ = self.live.pop(id(p))
             if p in opt.state:
-                self.state[(index, name)] = opt.state[p]
+                states[name] = opt.state[p]
             p.requires_grad_(False)
             p.grad = None
+        self.states.put(index, states, self._keep(index, params))
+
+    def _keep(self, index: int, params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor | None]:
+        """Each weight's mask as bools on the device (None: nothing pruned), for the state store."""
+        bits = {name: self.masks[(index, name)] for name, _ in params}
+        return {name: b.factor(self.device).bool() if b is not None else None for name, b in bits.items()}
 
     @torch.no_grad()
     def _step(self, p: torch.nn.Parameter, index: int) -> None:
@@ -155,8 +169,7 @@ class StepInBackward:
             p.mul_(keep).add_(0.0)
 
     def state_bytes(self) -> int:
-        return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
-                   if isinstance(v, torch.Tensor))
+        return self.states.nbytes()
 
 
 def pass_batch(cfg: CompensateConfig) -> int:
@@ -215,12 +228,14 @@ class _Pass:
 def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: CompensateConfig,
              targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor], *, device: torch.device,
              kwargs: list[dict[str, Any]], seed: int, shard: distributed.Shard,
-             restore: Callable[[int, torch.nn.Module], Any], loader: Any = None) -> dict[str, Any]:
+             restore: Callable[[int, torch.nn.Module], Any], loader: Any = None,
+             state_dir: Path | None = None) -> dict[str, Any]:
     """Train `model` (the walked pruned model, in place; its layers streamed by `loader` if set) on KL
     to the dense logits for cfg.final_kl_epochs passes over the samples split[0] (indices into the
     pass's samples, whose embeddings `inputs` and dense last hidden states `teacher` this rank holds);
     split[1] measures it. Unless the held-out KL goes down, `restore(i, layer)` puts the walk's
-    layer i back. `kwargs`: each layer's call arguments on `device`."""
+    layer i back. `kwargs`: each layer's call arguments on `device`. `state_dir`: where the optimizer
+    state waits between a layer's steps (optstate.LayerStates; None: in memory)."""
     train_idx, val_idx = split
     watch = val_idx if len(val_idx) else train_idx
     if amp_dtype(device, cfg.precision) is torch.float16:  # no loss scaling with steps inside the backward
@@ -235,7 +250,7 @@ def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: Comp
     model.eval()  # no dropout: the walk trains layers the same way
     t0 = time.perf_counter()
     before = work.evaluate(watch)
-    stepper = StepInBackward(cfg.final_kl_optimizer, targets, device)
+    stepper = StepInBackward(cfg.final_kl_optimizer, targets, device, LayerStates(state_dir))
     gen = torch.Generator().manual_seed(seed)
     total = math.ceil(len(train_idx) / pass_batch(cfg)) * cfg.final_kl_epochs
     warmup, step = int(total * cfg.warmup_fraction), 0
@@ -251,6 +266,8 @@ def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: Comp
     finally:
         bar.close()
         model.requires_grad_(False)
+        state_bytes = stepper.state_bytes()
+        stepper.states.close()
     trained = work.evaluate(watch)
     kept = trained < before
     if not kept:
@@ -266,7 +283,8 @@ def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: Comp
     return {"kl_before": round(before, 6), "kl_after": round(trained if kept else before, 6),
             "kl_trained": round(trained, 6), "kept": kept, "epochs": cfg.final_kl_epochs, "steps": step,
             "lr": cfg.final_kl_lr, "optimizer": cfg.final_kl_optimizer,
-            "optimizer_state_mib": round(stepper.state_bytes() / 2**20, 1),
+            "optimizer_state_mib": round(state_bytes / 2**20, 1),
+            "optimizer_state_on": "disk" if state_dir is not None else "memory",
             "measured_on": "validation" if len(val_idx) else "training",
             "trainable_params": sum(p.numel() for i, layer in enumerate(decoder_layers(model))
                                     for _, p in stepper.params(i, layer)),

@@ -270,7 +270,8 @@ def _final_pass(dense_model, sparse_model, kl_ids: torch.Tensor, cfg: Compensate
         fresh = split_indices(kl_ids.shape[0], cfg.val_fraction, seed)
         final = distill.final_kl(sparse_model, inputs.hidden, teacher, cfg, targets, fresh, device=device,
                                  kwargs=inputs.kwargs_per_layer(len(decoder_layers(sparse_model)), device), seed=seed,
-                                 shard=shard, restore=checkpoints.reload, loader=layer_loader)
+                                 shard=shard, restore=checkpoints.reload, loader=layer_loader,
+                                 state_dir=workdir / "final-kl-state" if cfg.offload == "disk" else None)
     final.update({"peak_mib": round(m.peak_bytes / 2**20, 1), "peak_delta_mib": round(m.peak_delta_bytes / 2**20, 1),
                   "memory_kind": m.kind})
     log.info("final KL pass: held-out KL to the dense logits %.4g -> %.4g (%d steps, %.0f s, +%.0f MiB)",

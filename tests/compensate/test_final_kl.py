@@ -90,13 +90,17 @@ def test_resume_in_the_pass_equals_uninterrupted(tiny_llama_dir, sparse_unstruct
     assert all(torch.equal(full[k], resumed[k]) for k in full)
 
 
-def test_streamed_from_disk_equals_in_ram(tiny_llama_dir, sparse_unstructured_dir, tmp_path):
-    """--offload disk: the pass runs (no longer skipped) and trains the same weights as in RAM."""
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw"])
+def test_streamed_from_disk_equals_in_ram(tiny_llama_dir, sparse_unstructured_dir, tmp_path, optimizer):
+    """--offload disk: the pass runs (no longer skipped), keeps its optimizer state on disk, and
+    trains the same weights as in RAM."""
     mcfg = ModelConfig(model=str(tiny_llama_dir))
-    kw = {"epochs": 1, "final_kl_epochs": 2, "final_kl_lr": 1e-2, "final_kl_optimizer": "adafactor"}
+    kw = {"epochs": 1, "final_kl_epochs": 2, "final_kl_lr": 1e-2 if optimizer == "adafactor" else 1e-3,
+          "final_kl_optimizer": optimizer}
     ram = run(mcfg, DATA, _cfg(**kw), sparse_unstructured_dir, tmp_path / "ram")
     disk = run(mcfg, DATA, _cfg(offload="disk", **kw), sparse_unstructured_dir, tmp_path / "disk")
     assert disk.settings["final_kl"]["steps"] == ram.settings["final_kl"]["steps"] == 8
+    assert (ram.settings["final_kl"]["optimizer_state_on"], disk.settings["final_kl"]["optimizer_state_on"]) == ("memory", "disk")
     assert disk.settings["final_kl"]["kl_after"] < disk.settings["final_kl"]["kl_before"]
     a, b = _weights(tmp_path / "ram"), _weights(tmp_path / "disk")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -131,3 +135,39 @@ def test_quant_aware_pass_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, tm
     assert final["steps"] == 8 and final["kl_after"] <= final["kl_before"]
     _assert_same_pattern(sparse_unstructured_dir, tmp_path / "out")
     assert not (tmp_path / "out.ckpt").exists()  # the starting weights' scratch file went with the checkpoints
+
+
+class _FullStates:
+    """The state store before issue 33's: every state tensor kept whole, in memory."""
+
+    def __init__(self, folder):
+        self.saved = {}
+
+    def put(self, index, states, keep):
+        self.saved[index] = states
+
+    def get(self, index, keep, device):
+        return self.saved.pop(index, {})
+
+    def nbytes(self):
+        return sum(v.numel() * v.element_size() for st in self.saved.values() for s in st.values()
+                   for v in s.values() if isinstance(v, torch.Tensor))
+
+    def close(self):
+        pass
+
+
+def test_kept_entries_state_trains_the_same_weights_in_half_the_memory(tiny_llama_dir, sparse_unstructured_dir,
+                                                                         tmp_path, monkeypatch):
+    """AdamW's moments of pruned weights stay zero, so storing the kept entries only changes no bit
+    of the result and halves the state at 50% sparsity."""
+    mcfg = ModelConfig(model=str(tiny_llama_dir))
+    cfg = _cfg(epochs=1, final_kl_epochs=2, final_kl_lr=1e-3, final_kl_optimizer="adamw")
+    kept = run(mcfg, DATA, cfg, sparse_unstructured_dir, tmp_path / "kept")
+    assert kept.settings["final_kl"]["kept"]  # the pass's weights, not the walk's restored ones
+    monkeypatch.setattr(distill, "LayerStates", _FullStates)
+    full = run(mcfg, DATA, cfg, sparse_unstructured_dir, tmp_path / "full")
+    a, b = _weights(tmp_path / "kept"), _weights(tmp_path / "full")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ratio = kept.settings["final_kl"]["optimizer_state_mib"] / full.settings["final_kl"]["optimizer_state_mib"]
+    assert 0.45 < ratio < 0.6, ratio  # 50% unstructured: half the moments, plus the unpruned biases/steps
