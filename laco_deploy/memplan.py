@@ -50,7 +50,6 @@ class Workload:
     compensate_final_kl_batch: int | None = None  # that pass's samples per step (None: compensate_batch)
     compensate_kl_samples: int = 0  # its samples (fresh ones, after the walk's)
     compensate_kl_optimizer: str = CompensateConfig.final_kl_optimizer
-    compensate_kept: float = 1.0  # share of the weights the pruning keeps (the pass stores their moments only)
 
     @classmethod
     def of_build(cls, cfg, device, w: dict[str, int] | None = None) -> Workload:
@@ -70,19 +69,7 @@ class Workload:
                    1 + (cfg.compensate.method != "none"), 1,
                    compensate_dense_twin=cfg.compensate.needs_dense_layer,
                    compensate_final_kl=budget.kl_samples > 0, compensate_final_kl_batch=step.final_kl_batch_size,
-                   compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer,
-                   compensate_kept=_kept_share(cfg.prune))
-
-
-def _kept_share(prune) -> float:
-    """Share of each pruned weight matrix left non-zero: 1 - sparsity, N/M for a pattern; structured
-    pruning removes channels instead (the smaller matrices are dense)."""
-    if prune.structured:
-        return 1.0
-    if prune.pattern:
-        n, m = (int(x) for x in prune.pattern.split(":"))
-        return n / m
-    return 1.0 - prune.sparsity
+                   compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer)
 
 
 @dataclass(frozen=True)
@@ -124,8 +111,7 @@ def _final_kl_phases(w: dict[str, int], job: Workload, process: dict[str, int]) 
     teacher = {**process, **model, "dense layer": w["layer_max"], "activations": kl_cache,
                "batch": layer_batch_bytes(w, job.compensate_batch * job.compensate_seqlen)}
     train = {**process, **model, "pass caches": 2 * kl_cache,
-             **final_kl_terms(w, tokens, job.compensate_kl_optimizer, job.compensate_kept,
-                              on_disk=job.compensate_offload == "disk")}
+             **final_kl_terms(w, tokens, job.compensate_kl_optimizer, on_disk=job.compensate_offload == "disk")}
     return {"final KL teacher": teacher, "final KL": train}
 
 

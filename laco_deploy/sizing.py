@@ -58,16 +58,15 @@ def largest_rest(w: dict[str, int]) -> int:
     return max(w["embed"], w["head"])
 
 
-def final_kl_terms(w: dict[str, int], tokens: int, optimizer: str, kept: float = 1.0, on_disk: bool = False) -> dict[str, int]:
+def final_kl_terms(w: dict[str, int], tokens: int, optimizer: str, on_disk: bool = False) -> dict[str, int]:
     """What the final KL pass (compensate/distill.py, klpass.py) adds to the model it trains: the
-    optimizer's state (Adafactor: out + in numbers per matrix; AdamW: two moments per kept weight,
-    `kept` the share the pruning kept, held between steps in memory or, `on_disk`, in files
-    (compensate/optstate.py), plus the attached layer's moments at full size), the masks as bits,
+    optimizer's state (Adafactor: out + in numbers per matrix; AdamW: two moments per weight, held
+    between steps in memory or, `on_disk`, in files (compensate/optstate.py): then one layer's), the masks as bits,
     every layer's input for one batch of `tokens`, one layer's training (its gradients, autocast's
     half-precision copies, the recomputed activations) and the logits of one chunk of tokens with
     their softmax and gradient (~12 fp32 copies)."""
     if optimizer == "adamw":
-        state = 2 * w["layer_max"] + (0 if on_disk else int(2 * w["layers"] * kept))
+        state = 2 * (w["layer_max"] if on_disk else w["layers"])
     else:
         state = w["linear_dims"]
     return {"optimizer": state, "masks": w["layers"] // (8 * FP32),

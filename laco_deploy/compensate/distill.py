@@ -100,7 +100,7 @@ class StepInBackward:
     """The optimizer applied to each weight as soon as its gradient is complete in the backward, and
     the gradient freed right after: the pass never holds more than one layer's gradients. Layers are
     attached while they are backpropagated; in between, their masks are kept by (layer, name) and their
-    optimizer state by layer in optstate.LayerStates (kept entries only; in memory or on disk), so a
+    optimizer state by layer in optstate.LayerStates (in memory, or on disk with --offload disk), so a
     streamed layer read again from disk (new tensors) continues where it was.
     Before the step the gradient is summed over torchrun ranks and masked; after it +0.0 goes back
     under the mask (masks.MaskFactors' arithmetic)."""
@@ -127,7 +127,7 @@ class StepInBackward:
             if key not in self.masks:  # first sight: the walk's weights, zero exactly where pruned
                 keep = p.detach() != 0
                 self.masks[key] = None if name.endswith(".bias") or bool(keep.all()) else MaskBits(keep)
-        saved = self.states.get(index, self._keep(index, params), self.device)
+        saved = self.states.get(index, self.device)
         for name, p in params:
             opt = _make_optimizer(self.kind, p, self.device)
             if name in saved:
@@ -148,12 +148,7 @@ class StepInBackward:
                 states[name] = opt.state[p]
             p.requires_grad_(False)
             p.grad = None
-        self.states.put(index, states, self._keep(index, params))
-
-    def _keep(self, index: int, params: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor | None]:
-        """Each weight's mask as bools on the device (None: nothing pruned), for the state store."""
-        bits = {name: self.masks[(index, name)] for name, _ in params}
-        return {name: b.factor(self.device).bool() if b is not None else None for name, b in bits.items()}
+        self.states.put(index, states)
 
     @torch.no_grad()
     def _step(self, p: torch.nn.Parameter, index: int) -> None:

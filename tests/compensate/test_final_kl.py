@@ -136,38 +136,3 @@ def test_quant_aware_pass_keeps_mask(tiny_llama_dir, sparse_unstructured_dir, tm
     _assert_same_pattern(sparse_unstructured_dir, tmp_path / "out")
     assert not (tmp_path / "out.ckpt").exists()  # the starting weights' scratch file went with the checkpoints
 
-
-class _FullStates:
-    """The state store before issue 33's: every state tensor kept whole, in memory."""
-
-    def __init__(self, folder):
-        self.saved = {}
-
-    def put(self, index, states, keep):
-        self.saved[index] = states
-
-    def get(self, index, keep, device):
-        return self.saved.pop(index, {})
-
-    def nbytes(self):
-        return sum(v.numel() * v.element_size() for st in self.saved.values() for s in st.values()
-                   for v in s.values() if isinstance(v, torch.Tensor))
-
-    def close(self):
-        pass
-
-
-def test_kept_entries_state_trains_the_same_weights_in_half_the_memory(tiny_llama_dir, sparse_unstructured_dir,
-                                                                         tmp_path, monkeypatch):
-    """AdamW's moments of pruned weights stay zero, so storing the kept entries only changes no bit
-    of the result and halves the state at 50% sparsity."""
-    mcfg = ModelConfig(model=str(tiny_llama_dir))
-    cfg = _cfg(epochs=1, final_kl_epochs=2, final_kl_lr=1e-3, final_kl_optimizer="adamw")
-    kept = run(mcfg, DATA, cfg, sparse_unstructured_dir, tmp_path / "kept")
-    assert kept.settings["final_kl"]["kept"]  # the pass's weights, not the walk's restored ones
-    monkeypatch.setattr(distill, "LayerStates", _FullStates)
-    full = run(mcfg, DATA, cfg, sparse_unstructured_dir, tmp_path / "full")
-    a, b = _weights(tmp_path / "kept"), _weights(tmp_path / "full")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ratio = kept.settings["final_kl"]["optimizer_state_mib"] / full.settings["final_kl"]["optimizer_state_mib"]
-    assert 0.45 < ratio < 0.6, ratio  # 50% unstructured: half the moments, plus the unpruned biases/steps
