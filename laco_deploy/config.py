@@ -26,10 +26,10 @@ TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensat
 # compensate.quant_aware: export types whose weights LaCo trains through (compensate/fakequant.py)
 QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "int8")
 INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
-# LaCo and LoRA compute precision (compensate/train.py amp_dtype); weights, optimizer state, caches stay fp32
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-# torchrun: seconds a rank waits in a collective before a stuck or dead rank ends the job (LACO_DIST_TIMEOUT_S)
-DIST_TIMEOUT_S = 1800
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # LaCo/LoRA compute (train.py amp_dtype); state stays fp32
+# a build's quick zero-shot row: 90 shipped last-word passages (data/tasks/README.md: cost); build --no-tasks: off
+BUILD_TASKS = ("laco_lastword_quick",)
+DIST_TIMEOUT_S = 1800  # torchrun: seconds a rank waits in a collective for a stuck or dead rank (LACO_DIST_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class DataConfig:
     # on, so the default covers two (benchmarks/RESULTS.md, "Does LaCo transfer"); builtin = Wikipedia
     calib: str = "builtin:mixed"  # builtin | builtin:mixed | file.txt | file.jsonl | hf:NAME[:CONFIG][:SPLIT]
     # evaluation texts, comma-separated; "domains" = builtin (in-domain Wikipedia) + every shipped
-    # out-of-domain text (fiction, techdoc, code), so reports show whether recovery transfers
+    # out-of-domain text (fiction, techdoc, code, dialogue), so reports show whether recovery transfers
     eval: str = "domains"
     samples: int = 64  # calibration samples (the paper uses 2048 on a GPU)
     seqlen: int = 256  # tokens per sample
@@ -380,7 +380,7 @@ class BuildConfig:
     data: DataConfig = field(default_factory=DataConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     compensate: CompensateConfig = field(default_factory=CompensateConfig)
-    fidelity: FidelityConfig = field(default_factory=FidelityConfig)
+    fidelity: FidelityConfig = field(default_factory=lambda: FidelityConfig(tasks=BUILD_TASKS))
     export: ExportConfig = field(default_factory=ExportConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     out: str = "laco-build"

@@ -40,6 +40,8 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         out.update(_domain_summary(fid))
         out["gates"] = fid.get("gates", [])
         out["gates_passed"] = verdict(fid)
+        if fid.get("zeroshot"):
+            out["zeroshot"] = zeroshot_digest(fid["zeroshot"])
     if bench:
         models = bench.get("models", {})
         out["bench_child_peak_mib"] = max((m.get("peak_rss_mib") or 0 for m in models.values()), default=None)
@@ -48,6 +50,32 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         out["tg_tps"] = {label: _median(m.get("tg_tps")) for label, m in models.items()}
         out["pp_tps"] = {label: _median(m.get("pp_tps")) for label, m in models.items()}
     return out
+
+
+def zeroshot_digest(zs: dict[str, Any]) -> dict[str, Any]:
+    """The zero-shot row: per model the accuracy (acc_norm where the tasks define it, else acc) of the one
+    task, or its mean over the tasks, with its standard error; what was scored; what it cost."""
+    models = zs.get("models") or {}
+    if not models:
+        return {}
+    single = len(zs["tasks"]) == 1
+
+    def score(m: dict[str, Any]) -> dict[str, Any]:
+        return next(iter(m["tasks"].values()))["metrics"] if single else m["mean"]
+
+    first = score(next(iter(models.values())))
+    metric = "acc_norm" if "acc_norm" in first else "acc" if "acc" in first else next(iter(first), None)
+    return {"tasks": list(zs["tasks"]), "metric": metric, "docs": sum(t["docs"] for t in zs["tasks"].values()),
+            "limit": zs["settings"].get("limit"), "wall_s": round(sum(m.get("wall_s", 0.0) for m in models.values()), 1),
+            "models": {label: (score(m).get(metric) or {}) for label, m in models.items()}}
+
+
+def zeroshot_line(z: dict[str, Any]) -> str:
+    """`zero-shot  TASK acc (N docs, S s): dense 50.0 ± 5.3  pruned ...` (percent)."""
+    docs = f"first {z['limit']} docs each" if z.get("limit") else f"{z['docs']} docs"
+    cells = "  ".join(f"{label} {100 * m['value']:.1f}" + (f" ± {100 * m['stderr']:.1f}" if m.get("stderr") is not None else "")
+                      for label, m in z["models"].items() if m.get("value") is not None)
+    return f"zero-shot        {', '.join(z['tasks'])} {z['metric']} ({docs}, {z['wall_s']:.0f} s): {cells}"
 
 
 def _domain_summary(fid: dict[str, Any]) -> dict[str, Any]:
@@ -147,6 +175,8 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
     lines.append("")
     lines += verdict_lines(summary)
     lines += domain_lines(summary)
+    if summary.get("zeroshot"):
+        lines.append(zeroshot_line(summary["zeroshot"]))
     gates = summary.get("gates") or []
     if gates:
         lines.append("gates            " + "  ".join(

@@ -35,7 +35,7 @@ def build_command(
     structured: Annotated[Optional[float], Opt("--structured", help="Share of FFN channels and head groups removed physically, e.g. 0.3 (smaller, faster model).", show_default=False)] = None,
     recover: Annotated[Optional[str], Opt("--recover", help=f"Recovery after pruning: laco, lora or none. (default: {_B.compensate.method})", show_default=False)] = None,
     calib: Annotated[Optional[str], Opt("--calib", help=f"Calibration text: builtin:mixed (Wikipedia + Python source), builtin (Wikipedia only), a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]; use your deployment's kind of text where you have it. (default: {DataConfig.calib})", show_default=False)] = None,
-    eval_: Annotated[Optional[str], Opt("--eval", help="Evaluation texts, never used for calibration, comma-separated; each reported as its own domain. (default: domains = builtin Wikipedia + shipped fiction, techdoc, code)", show_default=False)] = None,
+    eval_: Annotated[Optional[str], Opt("--eval", help="Evaluation texts, never used for calibration, comma-separated; each reported as its own domain. (default: domains = builtin Wikipedia + shipped fiction, techdoc, code, dialogue)", show_default=False)] = None,
     samples: Annotated[Optional[int], Opt("--samples", help=f"Calibration samples. (default: {_B.data.samples})", show_default=False)] = None,
     seqlen: Annotated[Optional[int], Opt("--seqlen", help=f"Tokens per sample / evaluation window. (default: {_B.data.seqlen})", show_default=False)] = None,
     eval_samples: Annotated[Optional[int], Opt("--eval-samples", help=f"Evaluation windows per domain. (default: {_B.data.eval_samples})", show_default=False)] = None,
@@ -51,7 +51,8 @@ def build_command(
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
     min_top1: Annotated[Optional[float], Opt("--min-top1", help="Gate: fail if top-1 agreement with the dense model is below this.", show_default=False)] = None,
     max_ppl_ratio: Annotated[Optional[float], Opt("--max-ppl-ratio", help="Gate: fail if perplexity / dense perplexity exceeds this.", show_default=False)] = None,
-    tasks: Annotated[Optional[list[str]], Opt("--tasks", help="Zero-shot accuracy in the fidelity report (lm-evaluation-harness, offline), comma-separated or repeated: laco_lastword, laco_sample_mc, arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, or a task .yaml file. Dense, pruned and recovered models are scored. (default: none)", show_default=False)] = None,
+    tasks: Annotated[Optional[list[str]], Opt("--tasks", help="Zero-shot accuracy in the fidelity report (lm-evaluation-harness, offline), comma-separated or repeated: laco_lastword, laco_sample_mc, arc_easy, arc_challenge, hellaswag, piqa, winogrande, boolq, openbookqa, or a task .yaml file. Dense, pruned and recovered models are scored. (default: laco_lastword_quick, 90 passages: ~30 s of CPU per model on the default model)", show_default=False)] = None,
+    no_tasks: Annotated[bool, Opt("--no-tasks", help="No zero-shot row in the reports (saves its ~90 s of CPU on the default model).")] = False,
     task_limit: Annotated[Optional[int], Opt("--task-limit", help="Score only the first N documents of each zero-shot task. (default: all)", show_default=False)] = None,
     as_json: Annotated[bool, Opt("--json", help="Print the summary as JSON on stdout (for scripts); progress stays on stderr.")] = False,
 ) -> None:
@@ -72,7 +73,7 @@ def build_command(
         "model.trust_remote_code": trust_remote_code or None,
         "out": str(out) if out else None, "resume": resume or None, "fidelity.max_kl": max_kl,
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
-        "fidelity.tasks": parse_task_list(tasks) or None, "fidelity.task_limit": task_limit,
+        "fidelity.tasks": () if no_tasks else (parse_task_list(tasks) or None), "fidelity.task_limit": task_limit,
     }
     _build(*_settings(config, preset, overrides), preset, as_json)
 

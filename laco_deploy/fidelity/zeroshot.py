@@ -161,20 +161,22 @@ def table(zs: dict[str, Any]) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
     for task, info in zs["tasks"].items():
         first = zs["models"][labels[0]]["tasks"][task]
         for metric in first["metrics"]:
-            cells = tuple(_cell(zs["models"][lab]["tasks"][task]["metrics"].get(metric)) for lab in labels)
+            cells = tuple(_cell(zs["models"][lab]["tasks"][task]["metrics"].get(metric), metric) for lab in labels)
             rows.append((task, metric, str(first["n"])) + cells)
     means = zs["models"][labels[0]]["mean"] if len(zs["tasks"]) > 1 else {}  # one task: its row says it all
     for metric, m in means.items():
         name = f"mean over {m['tasks']} task{'s' if m['tasks'] != 1 else ''}"
-        rows.append((name, metric, "") + tuple(_cell(zs["models"][lab]["mean"].get(metric)) for lab in labels))
+        rows.append((name, metric, "") + tuple(_cell(zs["models"][lab]["mean"].get(metric), metric) for lab in labels))
     return head, rows
 
 
-def _cell(m: dict[str, Any] | None) -> str:
+def _cell(m: dict[str, Any] | None, metric: str = "acc") -> str:
+    """Accuracies in percent; perplexities (laco_lastword's target words) as they are."""
     if m is None or m["value"] is None:
         return "-"
+    scale = 1 if "perplexity" in metric else 100
     se = m.get("stderr")
-    return f"{100 * m['value']:.1f}" + (f" ± {100 * se:.1f}" if se is not None and math.isfinite(se) else "")
+    return f"{scale * m['value']:.1f}" + (f" ± {scale * se:.1f}" if se is not None and math.isfinite(se) else "")
 
 
 def notes(zs: dict[str, Any]) -> list[str]:
@@ -185,5 +187,8 @@ def notes(zs: dict[str, Any]) -> list[str]:
         out.append(f"{task}: {info['split']} split, {info['docs']} documents ({info['kind']}; {src})")
     if zs["settings"].get("limit"):
         out.append(f"only the first {zs['settings']['limit']} documents of each task were scored (fidelity.task_limit)")
+    walls = {label: m.get("wall_s") for label, m in zs["models"].items() if m.get("wall_s") is not None}
+    if walls:  # what the row costs, so a user can weigh it (build --no-tasks drops it)
+        out.append(f"scored in {sum(walls.values()):.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()))
     out += [f"not scored: {label} ({why})" for label, why in zs.get("skipped", {}).items()]
     return out

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from laco_deploy.buildconfig import merge
+from laco_deploy.config import BUILD_TASKS
 from laco_deploy.errors import ConfigError
 from laco_deploy.fidelity.tasks import TASKS_DIR
 
@@ -58,7 +59,8 @@ def test_build_takes_tasks_from_flags_and_the_config_file(cli):
     assert merge({}, {"fidelity.tasks": (SAMPLE, "arc_easy"), "fidelity.task_limit": 5}).fidelity.tasks == (SAMPLE, "arc_easy")
     cfg = merge({"fidelity": {"tasks": [SAMPLE], "task_batch_size": 4}}, {})
     assert cfg.fidelity.tasks == (SAMPLE,) and cfg.fidelity.task_batch_size == 4
-    assert merge({}, {}).fidelity.tasks == ()  # no zero-shot by default
+    assert merge({}, {}).fidelity.tasks == BUILD_TASKS  # a build's quick row by default
+    assert merge({"fidelity": {"tasks": []}}, {}).fidelity.tasks == ()  # off from a config file
     # YAML text for a list setting reads as comma-separated names, as the flag does
     assert merge({"fidelity": {"tasks": f"{SAMPLE}, arc_easy"}}, {}).fidelity.tasks == (SAMPLE, "arc_easy")
     with pytest.raises(ConfigError, match="fidelity.tasks"):
@@ -93,3 +95,44 @@ def test_build_scores_dense_pruned_and_recovered_and_reruns_on_a_task_edit(tiny_
         f.write(text)
     again = build(merge(values, {"out": str(out)}))
     assert {k for k, st in again["stages"].items() if not st["reused"]} == {"fidelity"}
+
+
+def test_every_build_reports_the_quick_zero_shot_row_unless_told_not_to(cli, tiny_llama_dir, tmp_path):
+    """The default build scores laco_lastword_quick (90 fixed passages) on dense, pruned and recovered:
+    in fidelity.json/md/html, with its cost, and in the printed summary; --no-tasks leaves it out."""
+    config = tmp_path / "small.yaml"
+    config.write_text("data: {samples: 6, seqlen: 32, eval_samples: 1, eval: builtin}\ncompensate: {epochs: 1}\n"
+                      "fidelity: {layerwise: false}\nbench: {repetitions: 1, n_prompt: 16, n_gen: 4, ppl_ctx: 32, ppl_windows: 1}\n")
+    base = ["build", "--model", tiny_llama_dir, "--device", "cpu", "--config", config]
+    code, out, err = cli(*base, "--out", tmp_path / "b")
+    assert code == 0, err
+    zs = json.loads((tmp_path / "b" / "fidelity.json").read_text())["zeroshot"]
+    assert list(zs["tasks"]) == ["laco_lastword_quick"] and zs["tasks"]["laco_lastword_quick"]["docs"] == 90
+    assert list(zs["models"]) == ["dense", "pruned", "laco"]
+    assert all(m["tasks"]["laco_lastword_quick"]["n"] == 90 and m["wall_s"] > 0 for m in zs["models"].values())
+    for report in ("fidelity.md", "fidelity.html"):
+        text = (tmp_path / "b" / report).read_text()
+        assert "laco_lastword_quick" in text and "scored in" in text, report
+    line = next(l for l in out.splitlines() if l.startswith("zero-shot"))
+    assert "laco_lastword_quick acc (90 docs" in line and all(f"{m} " in line for m in ("dense", "pruned", "laco")), line
+    summary = json.loads((tmp_path / "b" / "manifest.json").read_text())["summary"]
+    assert summary["zeroshot"]["models"]["dense"]["value"] == zs["models"]["dense"]["tasks"]["laco_lastword_quick"]["metrics"]["acc"]["value"]
+    code, out, err = cli(*base, "--out", tmp_path / "off", "--no-tasks")
+    assert code == 0, err
+    assert json.loads((tmp_path / "off" / "fidelity.json").read_text())["zeroshot"] is None
+    assert "zero-shot" not in out
+
+
+def test_the_table_shows_accuracy_in_percent_and_perplexity_as_it_is():
+    from laco_deploy.fidelity.zeroshot import table
+    from laco_deploy.summary import zeroshot_digest, zeroshot_line
+
+    task = {"metrics": {"acc": {"value": 0.5, "stderr": 0.05}, "perplexity": {"value": 12.25, "stderr": 3.5}}, "n": 90}
+    zs = {"tasks": {"laco_lastword_quick": {"docs": 90}}, "settings": {"limit": None},
+          "models": {"dense": {"tasks": {"laco_lastword_quick": task}, "mean": {}, "wall_s": 20.0},
+                     "laco": {"tasks": {"laco_lastword_quick": task}, "mean": {}, "wall_s": 22.0}}}
+    _, rows = table(zs)
+    assert ("laco_lastword_quick", "acc", "90", "50.0 ± 5.0", "50.0 ± 5.0") in rows
+    assert ("laco_lastword_quick", "perplexity", "90", "12.2 ± 3.5", "12.2 ± 3.5") in rows
+    line = zeroshot_line(zeroshot_digest(zs))
+    assert line.endswith("laco_lastword_quick acc (90 docs, 42 s): dense 50.0 ± 5.0  laco 50.0 ± 5.0"), line
