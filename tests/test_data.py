@@ -140,3 +140,22 @@ def test_in_domain_is_the_genres_calibration_covers():
     assert [s for s in specs if in_domain(s, "builtin:mixed")] == ["builtin", "builtin:code"]
     assert [s for s in specs if in_domain(s, "my_notes.txt")] == []
     assert in_domain("my_notes.txt", "my_notes.txt")
+
+
+def test_dialogue_is_an_attributed_evaluation_only_chat_text():
+    """The conversational out-of-domain text (issue 29): part of `domains`, never calibration, two-party
+    turns, no conversation twice, its BSD licence kept beside it and named in the attribution."""
+    from laco_deploy.data import builtin_files, eval_specs
+
+    assert "builtin:dialogue" in eval_specs("domains")
+    docs = load_texts("builtin:dialogue", "eval")
+    assert len(docs) == 20 and 80_000 < sum(map(len, docs)) < 90_000
+    conversations = [c for d in docs for c in d.split("\n\n")]
+    assert all(c.startswith("User: ") and "\nAssistant: " in c for c in conversations)
+    assert len(set(conversations)) == len(conversations)
+    with pytest.raises(DataError, match="evaluation-only"):
+        load_texts("builtin:dialogue", "calib")
+    folder = builtin_files("builtin:dialogue", "eval")[0].parent
+    assert "Copyright (c) 2017, Gunther Cox" in (folder / "LICENSE-chatterbot-corpus.txt").read_text()
+    attribution = (folder / "ATTRIBUTION.md").read_text()
+    assert "dialogue.jsonl" in attribution and "LICENSE-chatterbot-corpus.txt" in attribution and "chatterbot-corpus" in attribution

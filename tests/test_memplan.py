@@ -82,7 +82,7 @@ def test_build_workload_follows_the_config():
     cfg = BuildConfig()
     assert job.calib_samples == cfg.data.samples and job.seqlen == cfg.data.seqlen
     assert job.compensate_samples == cfg.compensate.cpu_samples  # the walk's (the pass's are compensate_kl_samples)
-    assert job.eval_windows == cfg.data.eval_samples * 4  # builtin + three shipped domains
+    assert job.eval_windows == cfg.data.eval_samples * 5  # builtin + four shipped domains
     assert Workload.of_build(cfg, torch.device("cuda")).compensate_samples == cfg.compensate.gpu_samples
 
 

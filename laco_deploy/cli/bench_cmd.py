@@ -26,7 +26,7 @@ _B = BenchConfig()
 def bench_run(
     models: Annotated[list[str], typer.Argument(help="Exported models as LABEL=PATH (.gguf files for llama.cpp; ONNX folders or .onnx files for onnxruntime). The first is the reference for speed ratios.")],
     runtime: Annotated[str, typer.Option("--runtime", "-r", help=" or ".join(RUNTIMES) + ".")] = GGUF.runtime,
-    eval_: Annotated[str, typer.Option("--eval", help="Evaluation text for perplexity: builtin, builtin:fiction|techdoc|code, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")] = "builtin",
+    eval_: Annotated[str, typer.Option("--eval", help="Evaluation text for perplexity: builtin, builtin:fiction|techdoc|code|dialogue, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")] = "builtin",
     repetitions: Annotated[int, typer.Option("--repetitions", help="Timed repetitions per measurement (median and spread reported).")] = _B.repetitions,
     threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all physical cores).")] = _B.threads,
     n_prompt: Annotated[int, typer.Option("--n-prompt", help="Prompt tokens for the prompt-processing speed.")] = _B.n_prompt,

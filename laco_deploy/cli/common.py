@@ -32,7 +32,7 @@ TrustRemoteCodeOpt = Annotated[bool, typer.Option("--trust-remote-code", help=(
     "Allow a model folder's own Python code (auto_map in its config) to run on load; only for sources you trust. "
     "Default: such a folder is refused."))]
 CalibOpt = Annotated[str, typer.Option("--calib", help="Calibration text: builtin (Wikipedia), builtin:mixed (Wikipedia + Python source), a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT].")]
-EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation texts (never used for calibration), comma-separated: 'domains' (builtin Wikipedia plus the shipped fiction, techdoc and code texts; in-domain where calibration covers the genre: builtin:mixed covers Wikipedia and code), builtin, builtin:fiction|techdoc|code, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]. Each is reported as its own domain.")]
+EvalOpt = Annotated[str, typer.Option("--eval", help="Evaluation texts (never used for calibration), comma-separated: 'domains' (builtin Wikipedia plus the shipped fiction, techdoc, code and dialogue texts; in-domain where calibration covers the genre: builtin:mixed covers Wikipedia and code), builtin, builtin:fiction|techdoc|code|dialogue, a .txt/.jsonl file, or hf:NAME[:CONFIG][:SPLIT]. Each is reported as its own domain.")]
 SamplesOpt = Annotated[int, typer.Option("--samples", help="Number of calibration samples.")]
 SeqlenOpt = Annotated[int, typer.Option("--seqlen", help="Tokens per calibration sample and evaluation window.")]
 EvalSamplesOpt = Annotated[int, typer.Option("--eval-samples", help="Evaluation windows of --seqlen tokens, per evaluation domain.")]

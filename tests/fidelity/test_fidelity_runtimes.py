@@ -53,7 +53,7 @@ def test_dense_runtime_reference_agrees_on_the_same_windows(trained_dir, tmp_pat
     mcfg = ModelConfig(model=str(trained_dir), device="cpu")
     ok = run(mcfg, DATA, FidelityConfig(), {"q8_0": q8}, tmp_path / "r1", runtime_dense=f32).runtime_agreement
     assert ok["agree"] and ok["ratio"] == pytest.approx(1.0, abs=1e-3) and ok["runtime"] == "llama.cpp"
-    assert ok["windows"] == 2 * 4 and set(ok["domains"]) == {"wikipedia", "code", "fiction", "techdoc"}
+    assert ok["windows"] == 2 * 5 and set(ok["domains"]) == {"wikipedia", "code", "dialogue", "fiction", "techdoc"}
     res = run(mcfg, DATA, FidelityConfig(runtime_ppl_tolerance=1e-7), {"q8_0": q8}, tmp_path / "r2", runtime_dense=q8)
     bad = res.runtime_agreement
     assert not bad["agree"] and bad["ratio"] != 1.0 and "q8_0" in res.candidates
