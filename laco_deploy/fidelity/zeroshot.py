@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.metadata
+import io
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -31,6 +33,9 @@ from laco_deploy.fidelity.tasks import LoadedTasks
 log = logging.getLogger(__name__)
 SEED = 1234  # the harness's own default seed for few-shot sampling (unused at 0-shot, set for determinism)
 _STDERR = "_stderr"
+_NO_POOL = "DISABLE_MULTIPROC"  # the harness's switch for its bootstrap pool (lm_eval/api/metrics.py)
+# modules whose `tqdm` the harness calls; "tqdm" itself for its bootstrap's `from tqdm import tqdm` at call time
+_HARNESS_BARS = ("tqdm", "lm_eval.api.task", "lm_eval.api.model", "lm_eval.models.huggingface")
 # messages the harness logs for every model object passed in; they concern launchers we do not use
 _NOISE = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model through `pretrained`")
 
@@ -125,7 +130,11 @@ def mean_over_tasks(scores: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
 @contextlib.contextmanager
 def _quiet_harness():
     """The harness logs at INFO per task and warns per model object about launchers we do not use:
-    keep its warnings (e.g. truncated contexts) and drop the rest unless laco-deploy logs at DEBUG."""
+    keep its warnings (e.g. truncated contexts) and drop the rest unless laco-deploy logs at DEBUG.
+    Its progress bars are switched off (our log line names each model as it starts), what it prints
+    goes to the debug log (stdout holds our results), and its bootstrap standard errors (perplexity)
+    run in this process: its pool of forked workers, ended with SIGTERM, ran the CLI's handler in the
+    children and could hang the run."""
     harness = logging.getLogger("lm_eval")
     before = harness.level
     if not log.isEnabledFor(logging.DEBUG):
@@ -133,11 +142,43 @@ def _quiet_harness():
     noise = _DropMessages(_NOISE)
     hf_logger = logging.getLogger("lm_eval.models.huggingface")
     hf_logger.addFilter(noise)
+    multiproc = os.environ.get(_NO_POOL)
+    os.environ[_NO_POOL] = "1"
+    try:
+        with contextlib.ExitStack() as stack:
+            for module in _HARNESS_BARS:
+                stack.enter_context(_bars_off(module))
+            printed = stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+            yield
+        if printed.getvalue().strip():
+            log.debug("lm-evaluation-harness printed: %s", printed.getvalue().strip())
+    finally:
+        if multiproc is None:
+            os.environ.pop(_NO_POOL, None)
+        else:
+            os.environ[_NO_POOL] = multiproc
+        hf_logger.removeFilter(noise)
+        harness.setLevel(before)
+
+
+@contextlib.contextmanager
+def _bars_off(module_name: str):
+    """The module-level `tqdm` of one harness module, with every bar it makes disabled."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, "tqdm", None)
+    if original is None:  # another harness version, laid out differently
+        yield
+        return
+
+    def silent(*args, **kwargs):
+        kwargs["disable"] = True
+        return original(*args, **kwargs)
+
+    module.tqdm = silent
     try:
         yield
     finally:
-        hf_logger.removeFilter(noise)
-        harness.setLevel(before)
+        module.tqdm = original
 
 
 class _DropMessages(logging.Filter):
