@@ -257,15 +257,15 @@ def test_fidelity_report_never_writes_over_a_users_folder(cli, tiny_llama_dir, t
     users = tmp_path / "mine"
     sentinels = Sentinels(tmp_path, users, inside=True)
     (users / "fidelity.md").write_text(PRECIOUS)
-    real_run = importlib.import_module("laco_deploy.fidelity").run
-    monkeypatch.setattr(importlib.import_module("laco_deploy.fidelity"), "run", _never("the fidelity run"))
+    real_run = importlib.import_module("laco_deploy.fidelity").run_checked
+    monkeypatch.setattr(importlib.import_module("laco_deploy.fidelity"), "run_checked", _never("the fidelity run"))
     code, _, err = fidelity(users)
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "--report" in err and "did not write" in err and "choose another --report" in err, err
     assert sentinels.intact() == [] and (users / "fidelity.md").read_text() == PRECIOUS
     assert sorted(p.name for p in users.iterdir()) == ["fidelity.md", "keep.txt", "nested"]
 
-    monkeypatch.setattr(importlib.import_module("laco_deploy.fidelity"), "run", real_run)
+    monkeypatch.setattr(importlib.import_module("laco_deploy.fidelity"), "run_checked", real_run)
     ours = tmp_path / "report"
     for _ in range(2):  # made and marked by the first run; the second writes its reports again
         code, _, err = fidelity(ours)
