@@ -220,6 +220,22 @@ class _Pass:
         return distributed.all_reduce_floats([float(total)])[0] / max(1, len(idx))
 
 
+def _train(work: _Pass, stepper: StepInBackward, train_idx: torch.Tensor, cfg: CompensateConfig, seed: int) -> int:
+    """cfg.final_kl_epochs shuffled passes over `train_idx` on the cosine schedule -> steps taken."""
+    gen = torch.Generator().manual_seed(seed)
+    total = math.ceil(len(train_idx) / pass_batch(cfg)) * cfg.final_kl_epochs
+    warmup, step = int(total * cfg.warmup_fraction), 0
+    with progress_bar(range(total), desc="final KL pass", unit="step") as bar:
+        for _epoch in range(cfg.final_kl_epochs):
+            order = train_idx[torch.randperm(len(train_idx), generator=gen)]
+            for chunk in order.split(pass_batch(cfg)):
+                stepper.lr = cfg.final_kl_lr * cosine_lr(step, total, warmup)
+                work.train_step(chunk, stepper)
+                step += 1
+                bar.update(1)
+    return step
+
+
 def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: CompensateConfig,
              targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor], *, device: torch.device,
              kwargs: list[dict[str, Any]], seed: int, shard: distributed.Shard,
@@ -246,20 +262,9 @@ def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: Comp
     t0 = time.perf_counter()
     before = work.evaluate(watch)
     stepper = StepInBackward(cfg.final_kl_optimizer, targets, device, LayerStates(state_dir))
-    gen = torch.Generator().manual_seed(seed)
-    total = math.ceil(len(train_idx) / pass_batch(cfg)) * cfg.final_kl_epochs
-    warmup, step = int(total * cfg.warmup_fraction), 0
-    bar = progress_bar(range(total), desc="final KL pass", unit="step")
     try:
-        for _epoch in range(cfg.final_kl_epochs):
-            order = train_idx[torch.randperm(len(train_idx), generator=gen)]
-            for chunk in order.split(pass_batch(cfg)):
-                stepper.lr = cfg.final_kl_lr * cosine_lr(step, total, warmup)
-                work.train_step(chunk, stepper)
-                step += 1
-                bar.update(1)
+        step = _train(work, stepper, train_idx, cfg, seed)
     finally:
-        bar.close()
         model.requires_grad_(False)
         state_bytes = stepper.state_bytes()
         stepper.states.close()
