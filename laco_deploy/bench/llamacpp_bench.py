@@ -20,6 +20,7 @@ from laco_deploy.errors import ConfigError
 from laco_deploy.runtimes.cpu import physical_cores
 from laco_deploy.runtimes.llamacpp import LlamaCppRunner, check_gguf_file
 from laco_deploy.runtimes.llamacpp_probe import EXTRA_BUFFERS_NOTE, extra_buffers_work
+from laco_deploy.runtimes.llamacpp_log import raise_pending_interrupt
 from laco_deploy.targets import GGUF
 
 MODULE = "laco_deploy.bench.llamacpp_bench"
@@ -49,10 +50,12 @@ class LlamaSession:
     def prefill(self, ids: list[int]) -> np.ndarray:
         self.runner.llm.reset()
         self.runner.llm.eval(ids)
+        raise_pending_interrupt()
         return self.runner.last_logits()
 
     def step(self, token: int) -> np.ndarray:
         self.runner.llm.eval([token])
+        raise_pending_interrupt()
         return self.runner.last_logits()
 
     def window_logits(self, ids: list[int]) -> np.ndarray:

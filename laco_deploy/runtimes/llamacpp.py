@@ -15,7 +15,7 @@ import numpy as np
 
 from laco_deploy.errors import ConfigError, RuntimeBackendError
 from laco_deploy.runtimes.cpu import physical_cores
-from laco_deploy.runtimes.llamacpp_log import route_native_logs
+from laco_deploy.runtimes.llamacpp_log import raise_pending_interrupt, route_native_logs
 from laco_deploy.runtimes.llamacpp_probe import extra_buffers_work, model_params
 from laco_deploy.targets import GGUF
 
@@ -66,6 +66,7 @@ class LlamaCppRunner:
                 self.llm = llama_cpp.Llama(model_path=str(self.path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                                            n_threads=self.threads, n_threads_batch=self.threads,
                                            logits_all=logits_all, n_gpu_layers=n_gpu_layers, verbose=False)
+            raise_pending_interrupt()
         except (ValueError, RuntimeError, OSError) as e:
             raise RuntimeBackendError(f"llama.cpp cannot load {self.path} ({e}); the file is corrupt, truncated or made "
                                       "for a newer llama.cpp: re-export it or upgrade llama-cpp-python") from e
@@ -84,6 +85,7 @@ class LlamaCppRunner:
                               "tokenize with this model's tokenizer")
         self.llm.reset()
         self.llm.eval(ids)
+        raise_pending_interrupt()
 
     def logits(self, input_ids):
         """input_ids: torch.Tensor [seq] int64 -> torch.Tensor [seq, vocab] float32."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -141,3 +142,40 @@ def test_llama_cpp_warnings_go_to_logging_not_the_terminal(tiny_gemma3_dir, tmp_
     assert "SWA" not in capfd.readouterr().err
     swa = [r for r in caplog.records if r.name == "llama_cpp" and "full-size SWA cache" in r.message]
     assert swa and all(r.levelno == logging.INFO for r in swa)
+
+
+class _InterruptOnFirstRecord(logging.Handler):
+    """Raises KeyboardInterrupt from inside llama.cpp's log callback, as Python's SIGINT handler does
+    when Ctrl-C arrives while C calls back into Python."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.fired = 0
+
+    def emit(self, record):
+        self.fired += 1
+        if self.fired == 1:
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_a_llama_cpp_call_is_not_lost(tmp_path):
+    """ctypes drops exceptions raised in callbacks: a Ctrl-C during model loading used to vanish and the
+    load finished. The callback keeps it and the runner raises it once the C call returns."""
+    from laco_deploy.runtimes.llamacpp_probe import write_probe_model
+
+    path = tmp_path / "probe.gguf"
+    write_probe_model(path)
+    native = logging.getLogger("llama_cpp")
+    handler, level = _InterruptOnFirstRecord(), native.level
+    native.addHandler(handler)
+    native.setLevel(logging.DEBUG)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            LlamaCppRunner(path, threads=1, n_ctx=32)
+    finally:
+        native.removeHandler(handler)
+        native.setLevel(level)
+    assert handler.fired >= 1  # the interrupt did arrive inside the callback
+    runner = LlamaCppRunner(path, threads=1, n_ctx=32)  # nothing pending is left behind
+    assert runner.logits(torch.tensor([1, 10, 20])).shape == (3, 259)
+    runner.close()
