@@ -34,6 +34,10 @@ def test_gguf_build_complete_then_reused(tiny_llama_dir, tmp_path, monkeypatch):
     import laco_deploy.checked as boundary
 
     out = tmp_path / "build"
+    user_files = [tmp_path / "neighbour.txt", tmp_path / ".build.old", tmp_path / "sub" / "deep.txt"]  # issue 28
+    for f in user_files:
+        f.parent.mkdir(exist_ok=True)
+        f.write_text("the user's")
     calls = []
     for name in ("check_source", "check_texts", "resolve_device"):  # the boundary's checks, counted
         real = getattr(boundary, name)
@@ -60,6 +64,8 @@ def test_gguf_build_complete_then_reused(tiny_llama_dir, tmp_path, monkeypatch):
     reused = {k for k, st in changed["stages"].items() if st["reused"]}
     assert reused == {"prune", "compensate", "export", "bench"}  # only fidelity depends on gates and eval budget
     assert changed["summary"]["gates_passed"] is False
+    assert all(f.read_text() == "the user's" for f in user_files)  # three builds into the folder, nothing else touched
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".build.old", "build", "neighbour.txt", "sub"]
 
 
 def _prune_and_compensate(cfg):

@@ -166,7 +166,7 @@ def test_a_build_reuses_its_own_folder_and_refuses_others(cli, tiny_llama_dir, t
     assert code == 2 and "did not write (manifest.json) and is not a build folder" in err, err
 
 
-@pytest.mark.parametrize("command", ["prune", "compensate", "export-gguf", "imatrix"])
+@pytest.mark.parametrize("command", ["prune", "compensate", "export-gguf", "export-onnx", "imatrix"])
 def test_real_runs_leave_every_sentinel_and_a_rerun_needs_force(cli, tiny_llama_dir, tmp_path, command):
     """Unpatched commands: the output appears beside untouched sentinels; a rerun is refused, --force replaces it."""
     out = tmp_path / ("out.gguf" if command in GGUF_FILES else "out")
