@@ -28,7 +28,7 @@ import torch
 from laco_deploy.compensate import distill, klpass, laco, streamed
 from laco_deploy.compensate import run as compensate_run
 from laco_deploy.compensate.budget import resolve_budget
-from laco_deploy.compensate.train import autocast_ctx, cosine_lr, split_indices
+from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, resolve_precision, split_indices
 from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig, PruneConfig
 from laco_deploy.data import calibration_samples, eval_domains, evaluation_windows
 from laco_deploy.engine import capture_inputs
@@ -95,8 +95,9 @@ def block_pass(models, kl_ids: torch.Tensor, cfg: CompensateConfig, block: int) 
     state for that block only; gradients through the later layers as activations), then its
     outputs become the next block's inputs."""
     model, n = models.sparse, len(decoder_layers(models.sparse))
+    propagate = torch.bfloat16 if amp_dtype(CPU, cfg.precision) is torch.bfloat16 else None
     teacher = distill.dense_teacher(models.dense, models.dense_lazy, capture_inputs(model, None, kl_ids, CPU), CPU,
-                                    cfg.batch_size, torch.bfloat16)
+                                    cfg.batch_size, propagate)
     inputs = capture_inputs(model, None, kl_ids, CPU)
     kwargs = inputs.kwargs_per_layer(n, CPU)
     amp = lambda: autocast_ctx(CPU, cfg.precision)  # noqa: E731
@@ -141,7 +142,10 @@ def block_pass(models, kl_ids: torch.Tensor, cfg: CompensateConfig, block: int) 
 
 def variant(work: Path, name: str, settings: dict) -> None:
     block = settings.pop("block", None)
-    cfg = dataclasses.replace(CompensateConfig(), precision="bf16", batch_size=CompensateConfig.cpu_batch_size, **settings)
+    # the precision the stage resolves on this CPU (bf16 autocast only where its matmul is native)
+    cfg = dataclasses.replace(CompensateConfig(), batch_size=CompensateConfig.cpu_batch_size, **settings)
+    cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, CPU))
+    propagate = torch.bfloat16 if amp_dtype(CPU, cfg.precision) is torch.bfloat16 else None  # as laco.compensate
     budget = resolve_budget(cfg, DATA, CPU)
     models = streamed.open_models(MODEL, work / "walked", cfg, work / "spill")
     ids = calibration_samples(models.tokenizer, DATA.calib, budget.samples + budget.kl_samples, budget.seqlen, DATA.seed)
@@ -156,12 +160,12 @@ def variant(work: Path, name: str, settings: dict) -> None:
         final, _ = laco._final_pass(models.dense, models.sparse, ids[budget.samples:], cfg, TARGETS, device=CPU,
                                     seed=DATA.seed, meter=laco.SegmentMeter(CPU), checkpoints=_Walked(work / "walked"),
                                     layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy,
-                                    propagate=torch.bfloat16, workdir=work)
+                                    propagate=propagate, workdir=work)
     wall = time.perf_counter() - t0
     refs = json.loads((work / "refs.json").read_text())
     ppl = domain_ppl(models.sparse.eval(), models.tokenizer)
     gap = {d: round(100 * (refs["pruned"][d] - v) / (refs["pruned"][d] - refs["dense"][d]), 1) for d, v in ppl.items()}
-    row = {"name": name, "settings": {**settings, **({"block": block} if block else {})}, "peak_mib": final["peak_mib"],
+    row = {"name": name, "precision": cfg.precision, "settings": {**settings, **({"block": block} if block else {})}, "peak_mib": final["peak_mib"],
            "peak_delta_mib": final["peak_delta_mib"], "wall_s": round(wall, 1), "ppl": ppl,
            "gap_closed_pct": gap, "final": final, "layers": len(decoder_layers(models.sparse))}
     print(json.dumps(row), flush=True)

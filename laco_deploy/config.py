@@ -140,20 +140,16 @@ class PruneConfig:
 
 @dataclass(frozen=True)
 class CompensateConfig:
-    # Defaults picked by measurement (benchmarks/compensate_sweep.py, Wanda 50% SmolLM2-135M, 32 x 128
-    # samples): nmse beat mse/cos_mse/subblock; batch 2 + lr 3e-3 beat batch 4 + lr 1e-3; training
-    # norms or decaying the LR with depth did not help. LoRA's lr 1e-3 was its best at batch 2.
-    # Channel-scale or low-rank corrections instead of the weights closed 21-34% of the gap vs 54%
-    # (benchmarks/RESULTS.md), so the surviving weights are trained by default.
+    # Measured defaults (compensate_sweep.py, RESULTS.md): nmse beat mse/cos_mse/subblock; batch 2 + lr
+    # 3e-3 beat batch 4 + 1e-3; trained norms, LR decay with depth, channel or low-rank corrections
+    # (21-34% of the gap vs 54%) did not help. LoRA's lr 1e-3 was its best at batch 2.
     method: str = "laco"  # laco | lora | none
     # 2 passes over 256 samples beat 1 over 512 on every domain at 78% of its wall (3 passes: no better);
     # at 32-128 samples 1 pass over 4x more samples had won (generalization_sweep, RESULTS.md)
     epochs: int = 2
     lr: float = 3e-3
-    # a layer whose first epoch ends no better than it started (held-out loss) starts over from its
-    # pruned weights at lr * lr_backoff, up to lr_retries times: 3e-3 raised the training and held-out
-    # loss of every Gemma 3 270M layer tried (its linears are ~5x smaller than SmolLM2's), 3e-4 and 1e-4
-    # lowered them (RESULTS.md); a layer that improves at lr runs as before
+    # a layer whose first epoch ends no better than it started restarts at lr * lr_backoff, up to lr_retries
+    # times (Gemma 3 270M's small linears diverged at 3e-3, improved at 3e-4; RESULTS.md)
     lr_backoff: float = 0.1
     lr_retries: int = 2
     # samples per training step; None: by device (compensate/steps.py): cpu_batch_size on a CPU, on a
@@ -205,10 +201,14 @@ class CompensateConfig:
     # train through the weights as this export type will store them (fake quantization, straight-through
     # gradient); None: plain float weights
     quant_aware: str | None = None
-    # auto: bf16 autocast on CUDA (fp16 where bf16 is unsupported) and on CPUs with native bf16 matmul
-    # (AMX / AVX512-BF16: 5-7x fp32's matmul speed here), else fp32. Measured on the default build's
-    # LaCo (256 x 128, builtin:mixed): same perplexity to 0.3% on every domain, see RESULTS.md
+    # auto: bf16 autocast on CUDA (fp16 without bf16) and on CPUs with native bf16 matmul (AMX /
+    # AVX512-BF16); else fp32. Default build's LaCo: same perplexity to 0.3% per domain (RESULTS.md)
     precision: str = "auto"
+
+    @property
+    def recovers(self) -> bool:
+        """The one decision whether a run recovers the pruned model (`none`: it is copied as it is)."""
+        return self.method != "none"
 
     @property
     def needs_dense_layer(self) -> bool:

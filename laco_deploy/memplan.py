@@ -66,7 +66,7 @@ class Workload:
         return cls(cfg.data.samples, cfg.data.seqlen, cfg.prune.batch_size, cfg.prune.offload,
                    budget.samples, budget.seqlen, step.batch_size, cfg.compensate.offload,
                    cfg.data.eval_samples * len(eval_specs(cfg.data.eval)),
-                   1 + (cfg.compensate.method != "none"), 1,
+                   1 + cfg.compensate.recovers, 1,
                    compensate_dense_twin=cfg.compensate.needs_dense_layer,
                    compensate_final_kl=budget.kl_samples > 0, compensate_final_kl_batch=step.final_kl_batch_size,
                    compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer)

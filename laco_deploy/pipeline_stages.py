@@ -79,7 +79,7 @@ class BuildRecipe:
         self.layout = Layout(cache.root, self.target.name, cfg.export.resolved_quant)
         # the build's one "no recovery" decision: the recovered model's label, None when recovery is off
         # (then compensate passes the pruned model on, and export, fidelity and bench have one model less)
-        self.recovery = None if cfg.compensate.method == "none" else cfg.compensate.method
+        self.recovery = cfg.compensate.method if cfg.compensate.recovers else None
 
     def run(self) -> bool:
         """Every stage in order; -> whether every quality gate passed."""

@@ -40,7 +40,7 @@ def _check_sparse(sparse_dir: Path, comp_cfg: CompensateConfig, trust_remote_cod
     if not sparse_dir.is_dir() or not (sparse_dir / "config.json").is_file():
         raise ModelError(f"pruned model directory {sparse_dir} not found (no config.json there); "
                          "prune a model into DIR first (prune.out DIR) and pass DIR as compensate.sparse")
-    if comp_cfg.method != "none":  # before either model loads
+    if comp_cfg.recovers:  # before either model loads
         check_source(str(sparse_dir), trust_remote_code=trust_remote_code)
 
 
@@ -120,7 +120,7 @@ def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig
     """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`;
     after the boundary's checks (checked.check; a build passes it once and calls run_checked)."""
     sparse_dir = Path(sparse_dir)
-    copy = comp_cfg.method == "none"  # a copy reads neither the dense model nor the texts, on no device
+    copy = not comp_cfg.recovers  # a copy reads neither the dense model nor the texts, on no device
     checked = check(model_cfg, data_cfg, torch.device("cpu") if copy else device, compensate=comp_cfg,
                     reads_inputs=not copy)
     _check_sparse(sparse_dir, comp_cfg, model_cfg.trust_remote_code)
@@ -134,7 +134,7 @@ def run_checked(c: Checked, sparse_dir: Path, out_dir: Path, *, resume: bool = F
     if comp_cfg.method == "lora" and distributed.world() > 1:
         raise ConfigError("compensate.method lora trains the whole model in one process and is not split over torchrun "
                           "ranks; run it without torchrun (or set compensate.method to laco)")
-    if comp_cfg.method == "none":
+    if not comp_cfg.recovers:
         return _copy_only(sparse_dir, out_dir, comp_cfg)
     comp_cfg, budget, step_plan = _plan(comp_cfg, data_cfg, device, sparse_dir)
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
