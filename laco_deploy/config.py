@@ -19,7 +19,7 @@ DEFAULT_MODEL = "default"  # the model spec naming SmolLM2-135M-Instruct shipped
 # The values a setting may take, named once: the implementations (prune/step.py STATISTICS,
 # compensate/losses.py LOSS_FUNCTIONS) cover exactly these names (tests/test_config.py checks).
 PRUNE_METHODS = ("magnitude", "wanda", "sparsegpt")
-LOSSES = ("mse", "nmse", "cos_mse", "subblock")
+LOSSES = ("mse", "nmse", "cos_mse", "channel_nmse", "subblock")
 PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FFN_LINEARS = ("gate_proj", "up_proj", "down_proj")  # structured pruning of FFN channels only
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
@@ -164,7 +164,7 @@ class CompensateConfig:
     # (no batch crosses the bus); off: host RAM, the memory-light layout the paper's peak memory assumes
     device_caches: bool = True
     grad_accum: int = 1
-    loss: str = "nmse"  # mse | nmse | cos_mse | subblock
+    loss: str = "nmse"  # mse | nmse | cos_mse | channel_nmse | subblock
     train_norms: bool = False
     trainable: str = "weights"  # weights (surviving weights) | channel | lowrank (corrections merged under the mask)
     correction_rank: int = 8  # rank of the lowrank correction

@@ -37,6 +37,39 @@ def test_nmse_is_per_token_scale_free_but_mse_is_not():
     assert losses.mse(p2, t2) > 1000 * losses.mse(p, t)
 
 
+def test_channel_nmse_matches_its_formula():
+    p, t = _pair(2)
+    scale = (t ** 2).mean((0, 1))  # [h]: each channel's mean square over the batch's tokens
+    manual = sum(((p[..., c] - t[..., c]) ** 2).mean() / scale[c] for c in range(5)) / 5
+    assert torch.allclose(losses.channel_nmse(p, t), manual)
+    assert losses.channel_nmse(t, t) == 0
+
+
+def test_channel_nmse_sees_small_channels_next_to_a_massive_one():
+    """Issue 31 (Gemma 3): one channel ~1000x the others at every token. nmse is that channel's error
+    alone, so a 10% error on every small channel barely moves it; channel_nmse weighs each channel by
+    its own scale, so it is unchanged by the massive channel and shows the small channels' error."""
+    p, t = _pair(3)
+    t[..., 0] *= 1000.0
+    p[..., 0] = t[..., 0]
+    small = p.clone()
+    small[..., 1:] = t[..., 1:] * 1.1
+    exact = t.clone()
+    assert losses.nmse(small, t) < 1e-5  # blind to the small channels
+    assert losses.channel_nmse(small, t) > 0.99 * 0.01 * 4 / 5  # 10% on 4 of 5 channels
+    assert losses.channel_nmse(exact, t) == 0
+    scaled = t.clone()
+    scaled[..., 0] *= 7.0  # a channel's scale does not change its weight
+    p2 = small.clone()
+    p2[..., 0] *= 7.0
+    assert torch.allclose(losses.channel_nmse(p2, scaled), losses.channel_nmse(small, t))
+
+
+def test_channel_nmse_is_a_compensate_loss():
+    assert not CompensateConfig(loss="channel_nmse").validate()
+    assert losses.get_loss("channel_nmse") is losses.channel_nmse
+
+
 def test_cos_mse_formula_and_zero_at_target():
     p, t = _pair(2)
     cos = (p * t).sum(-1) / (p.norm(dim=-1) * t.norm(dim=-1))
