@@ -124,7 +124,7 @@ def block_pass(models, kl_ids: torch.Tensor, cfg: CompensateConfig, block: int) 
             if step % -(-len(train_idx) // cfg.batch_size) == 0:
                 order = train_idx[torch.randperm(len(train_idx), generator=gen)].split(cfg.batch_size)
             rows = order[step % len(order)]
-            stepper.lr = cfg.final_kl_lr * cosine_lr(step, total, int(total * cfg.warmup_fraction))
+            stepper.lr = cfg.kl_lr * cosine_lr(step, total, int(total * cfg.warmup_fraction))
             last, saved = stack.forward(cache[rows], True, start)
             _, grad = klpass.chunked_kl(model, last, teacher.data[rows], None, amp, True)
             stack.backward(saved, grad, attach, detach, start)

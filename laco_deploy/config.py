@@ -52,11 +52,9 @@ class ModelConfig:
 class DataConfig:
     """Calibration and evaluation text and how it becomes token samples."""
 
-    # builtin:mixed (Wikipedia + Python source): LaCo's recovery transfers to the genres it is fitted
-    # on, so the default covers two (benchmarks/RESULTS.md, "Does LaCo transfer"); builtin = Wikipedia
+    # builtin:mixed (Wikipedia + Python): recovery transfers to the genres it is fitted on (RESULTS.md)
     calib: str = "builtin:mixed"  # builtin | builtin:mixed | file.txt | file.jsonl | hf:NAME[:CONFIG][:SPLIT]
-    # evaluation texts, comma-separated; "domains" = builtin (in-domain Wikipedia) + every shipped
-    # out-of-domain text (fiction, techdoc, code, dialogue), so reports show whether recovery transfers
+    # evaluation texts, comma-separated; "domains" = builtin + every shipped text (fiction, techdoc, code, dialogue)
     eval: str = "domains"
     samples: int = 64  # calibration samples (the paper uses 2048 on a GPU)
     seqlen: int = 256  # tokens per sample
@@ -88,9 +86,8 @@ class PruneConfig:
     owl_m: float = 5.0  # outlier threshold, multiples of the mean score
     offload: str = "cpu"  # cpu: all in RAM | disk: memory-mapped activations, layers streamed from safetensors
     structured_metric: str = "wanda"  # channel/head-group importance: wanda | fluctuation (FLAP)
-    # kept FFN channels per layer rounded to a multiple of this: 32 is the block of GGUF Q8_0/Q5_0 and
-    # ONNX int8, so every pruned matrix stays quantizable (other widths are stored as F16); 256 fits
-    # the K-quants' own blocks; 1 keeps the exact ratio
+    # kept FFN channels rounded to a multiple of this: 32, the block of Q8_0/Q5_0 and ONNX int8, keeps every
+    # matrix quantizable (other widths are stored as F16); 256 fits the K-quants' blocks; 1: the exact ratio
     structured_multiple: int = 32
     batch_size: int = 8  # calibration samples per layer call (memory ~ batch * seqlen * FFN width)
 
@@ -192,12 +189,12 @@ class CompensateConfig:
     # (distill.py); 1 pass closed ~6 more points of the gap on every domain (RESULTS.md); 0: off
     final_kl_epochs: int = 1
     final_kl_samples: int | None = None  # fresh samples for that pass; None: as many as the walk's (budget.py)
-    # adamw: two moments per weight (8 bytes each: 0.85 GB on the default model), today's measured quality |
-    # adafactor: factored second moments (out + in numbers per matrix), the pass's memory stays one layer's
-    final_kl_optimizer: str = "adamw"
-    # AdamW's 3e-4 beat 1e-4 in-domain, lost 0.4% on fiction (RESULTS.md). Adafactor's step is relative
-    # to each weight's RMS (median 0.18 on the pruned default model): 2e-3 matches 3e-4 on the median tensor
-    final_kl_lr: float = 3e-4
+    # adafactor: factored second moments (out + in numbers per matrix): the pass's memory stays one layer's;
+    # adamw: two moments per weight (0.85 GB on the default model, 56 GB on a 7B). Default build: Adafactor
+    # 1e-3 within 0.3-2.2 points of AdamW's gap closed per domain at 742 MiB less (RESULTS.md)
+    final_kl_optimizer: str = "adafactor"
+    # None: the optimizer's measured best, Adafactor 1e-3 (relative to each weight's RMS), AdamW 3e-4
+    final_kl_lr: float | None = None
     # train through the weights as this export type will store them (fake quantization, straight-through
     # gradient); None: plain float weights
     quant_aware: str | None = None
@@ -209,6 +206,11 @@ class CompensateConfig:
     def recovers(self) -> bool:
         """The one decision whether a run recovers the pruned model (`none`: it is copied as it is)."""
         return self.method != "none"
+
+    @property
+    def kl_lr(self) -> float:
+        """The final KL pass's learning rate: final_kl_lr, or the optimizer's measured best."""
+        return self.final_kl_lr if self.final_kl_lr is not None else {"adafactor": 1e-3}.get(self.final_kl_optimizer, 3e-4)
 
     @property
     def needs_dense_layer(self) -> bool:
@@ -243,7 +245,7 @@ class CompensateConfig:
         if self.final_kl_samples is not None and self.final_kl_samples < 2:
             errs.append(f"compensate.final_kl_samples {self.final_kl_samples} must be at least 2 (or unset: as many as "
                         "the walk's)")
-        if self.final_kl_epochs < 0 or not self.final_kl_lr > 0:
+        if self.final_kl_epochs < 0 or not self.kl_lr > 0:
             errs.append(f"compensate.final_kl_epochs ({self.final_kl_epochs}) must be 0 (off) or more and "
                         f"compensate.final_kl_lr ({self.final_kl_lr}) positive")
         if self.final_kl_optimizer not in ("adafactor", "adamw"):
@@ -297,8 +299,7 @@ class FidelityConfig:
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
     task_batch_size: int = 16  # sequences per forward pass in the harness (SmolLM2-135M on 2 cores: 16-32 ~25% faster than 8)
-    # dense PyTorch vs dense runtime export perplexity on the same windows may differ by this share before the
-    # report calls them in disagreement (q8_0 exports: ~1%; a missing BOS: 4x on Gemma 3); low-bit quants widen it
+    # dense PyTorch vs runtime perplexity, same windows: allowed disagreement (q8_0 ~1%; a missing BOS: 4x on Gemma 3)
     runtime_ppl_tolerance: float = 0.10
 
     def validate(self) -> list[str]:
@@ -331,8 +332,7 @@ class ExportConfig:
     target: str = GGUF.name  # a name in targets.TARGETS
     quant: str | None = None  # None: the target's default_quant (targets.py)
     sparse_storage: bool = False  # store sparse weights compactly (targets that support it)
-    # importance matrix steering llama.cpp's k-quants (targets that take one): a file, or IMATRIX_CALIB =
-    # computed from the calibration samples on each exported model (laco_deploy/imatrix.py); None: off
+    # importance matrix for llama.cpp's k-quants: a file, or IMATRIX_CALIB (from the calibration samples, imatrix.py)
     imatrix: str | None = None
 
     @property

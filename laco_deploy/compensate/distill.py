@@ -229,7 +229,7 @@ def _train(work: _Pass, stepper: StepInBackward, train_idx: torch.Tensor, cfg: C
         for _epoch in range(cfg.final_kl_epochs):
             order = train_idx[torch.randperm(len(train_idx), generator=gen)]
             for chunk in order.split(pass_batch(cfg)):
-                stepper.lr = cfg.final_kl_lr * cosine_lr(step, total, warmup)
+                stepper.lr = cfg.kl_lr * cosine_lr(step, total, warmup)
                 work.train_step(chunk, stepper)
                 step += 1
                 bar.update(1)
@@ -282,7 +282,7 @@ def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: Comp
         loader.release_rest(HEAD_MODULES)
     return {"kl_before": round(before, 6), "kl_after": round(trained if kept else before, 6),
             "kl_trained": round(trained, 6), "kept": kept, "epochs": cfg.final_kl_epochs, "steps": step,
-            "lr": cfg.final_kl_lr, "optimizer": cfg.final_kl_optimizer,
+            "lr": cfg.kl_lr, "optimizer": cfg.final_kl_optimizer,
             "optimizer_state_mib": round(state_bytes / 2**20, 1),
             "optimizer_state_on": "disk" if state_dir is not None else "memory",
             "measured_on": "validation" if len(val_idx) else "training",

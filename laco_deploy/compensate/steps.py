@@ -39,7 +39,7 @@ class StepPlan:
         """`cfg` with these batch sizes and the scaled learning rates."""
         return dataclasses.replace(cfg, batch_size=self.batch_size, final_kl_batch_size=self.final_kl_batch_size,
                                    lr=cfg.lr * self.lr_scale, lora_lr=cfg.lora_lr * self.lr_scale,
-                                   final_kl_lr=cfg.final_kl_lr * self.final_kl_lr_scale)
+                                   final_kl_lr=cfg.kl_lr * self.final_kl_lr_scale)
 
 
 def layer_step_bytes(w: dict[str, int], tokens: int, dense_twin: bool) -> int:

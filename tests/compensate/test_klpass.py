@@ -52,7 +52,7 @@ def _reference_pass(model, ids, teacher, cfg, train_idx, seed):
     order = train_idx[torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(seed))]
     total = -(-len(train_idx) // cfg.batch_size) * cfg.final_kl_epochs
     for step, chunk in enumerate(order.split(cfg.batch_size)):
-        lr = cfg.final_kl_lr * cosine_lr(step, total, int(total * cfg.warmup_fraction))
+        lr = cfg.kl_lr * cosine_lr(step, total, int(total * cfg.warmup_fraction))
         with torch.no_grad():
             target = klpass.head_logits(model, teacher[chunk], None)
         _kl_full(model(ids[chunk], use_cache=False).logits, target).backward()

@@ -50,7 +50,7 @@ def test_cpu_keeps_its_default_and_explicit_batches_win(smollm2):
     p = steps.plan(cfg, w=smollm2, traits=CPU, **PAPER)
     assert (p.batch_size, p.final_kl_batch_size, p.lr_scale) == (cfg.cpu_batch_size, cfg.cpu_batch_size, 1.0)
     applied = p.apply(cfg)
-    assert (applied.lr, applied.final_kl_lr, applied.lora_lr) == (cfg.lr, cfg.final_kl_lr, cfg.lora_lr)
+    assert (applied.lr, applied.final_kl_lr, applied.lora_lr) == (cfg.lr, cfg.kl_lr, cfg.lora_lr)
     explicit = steps.plan(CompensateConfig(batch_size=5), w=smollm2, traits=gpu(139), **PAPER)
     assert (explicit.batch_size, explicit.final_kl_batch_size, explicit.lr_scale) == (5, 5, 1.0)
 
@@ -65,7 +65,7 @@ def test_an_h200_takes_steps_of_the_target_tokens(smollm2):
     assert p.lr_scale == pytest.approx(math.sqrt(64 / 2))
     applied = p.apply(cfg)
     assert applied.lr == pytest.approx(cfg.lr * math.sqrt(32)) and applied.final_kl_lr == pytest.approx(
-        cfg.final_kl_lr * math.sqrt(32))
+        cfg.kl_lr * math.sqrt(32))
 
 
 @pytest.mark.parametrize("free_gib", [2, 8, 24, 139])
