@@ -298,7 +298,7 @@ class FidelityConfig:
     # zero-shot accuracy through lm-evaluation-harness (fidelity/zeroshot.py): task names or task .yaml files
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
-    task_batch_size: int = 16  # sequences per forward pass in the harness (SmolLM2-135M on 2 cores: 16-32 ~25% faster than 8)
+    task_batch_size: int = 4  # sequences per harness forward: its [batch, seq, vocab] logits are the stage's peak (16: +680 MiB)
     # dense PyTorch vs runtime perplexity, same windows: allowed disagreement (q8_0 ~1%; a missing BOS: 4x on Gemma 3)
     runtime_ppl_tolerance: float = 0.10
 
