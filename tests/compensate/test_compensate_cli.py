@@ -36,7 +36,7 @@ def test_bad_loss_name(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
     code, _out, err = cli("compensate", "--dense", tiny_llama_dir, "--sparse", sparse_unstructured_dir,
                           "--out", tmp_path / "o", "--loss", "l1")
     assert code == 2
-    assert "--loss 'l1' is not one of mse, nmse, cos_mse, subblock" in err.replace("\n", " ")
+    assert "--loss 'l1' is not one of mse, nmse, cos_mse, channel_nmse, subblock" in err.replace("\n", " ")
 
 
 def test_bad_method_and_epochs_reported_together(cli, tiny_llama_dir, sparse_unstructured_dir, tmp_path):
