@@ -27,6 +27,9 @@ from laco_deploy.sizing import (FP32, MIB, activation_cache_bytes, final_kl_term
 PROCESS_BYTES = {"prune": 460 * MIB, "compensate": 455 * MIB, "export": 575 * MIB, "fidelity": 655 * MIB}
 LLAMA_CPP_BYTES = 40 * MIB  # llama.cpp's buffers besides the weights and the logits
 Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 tensor (32 int8 + an fp16 scale)
+# zero-shot (lm-eval): tokens of a batch's longest request; laco_lastword_quick on the default model grew
+# the process by 797 MiB at batch 4 and 1,479 at 16 (the fp32 model + logits and their log-softmax)
+ZEROSHOT_TOKENS = 192
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Workload:
     compensate_final_kl_batch: int | None = None  # that pass's samples per step (None: compensate_batch)
     compensate_kl_samples: int = 0  # its samples (fresh ones, after the walk's)
     compensate_kl_optimizer: str = CompensateConfig.final_kl_optimizer
+    zeroshot_batch: int = 0  # fidelity: sequences per harness call when zero-shot tasks run (0: none)
 
     @classmethod
     def of_build(cls, cfg, device, w: dict[str, int] | None = None) -> Workload:
@@ -69,7 +73,8 @@ class Workload:
                    1 + cfg.compensate.recovers, 1,
                    compensate_dense_twin=cfg.compensate.needs_dense_layer,
                    compensate_final_kl=budget.kl_samples > 0, compensate_final_kl_batch=step.final_kl_batch_size,
-                   compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer)
+                   compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer,
+                   zeroshot_batch=cfg.fidelity.task_batch_size if cfg.fidelity.tasks else 0)
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,9 @@ def estimate_fidelity(w: dict[str, int], job: Workload) -> StageEstimate:
               "layers": {**process, "caches": caches, "layer": w["layer_max"]},
               "logits": {**process, "caches": caches, "head block": HEAD_BLOCK_BYTES, "logits": 2 * logits,
                          "compare": compare}}
+    if job.zeroshot_batch:  # one whole fp32 model at a time in the harness
+        phases["zero-shot"] = {**process, "model": w["total"],
+                               "task logits": 2 * job.zeroshot_batch * ZEROSHOT_TOKENS * w["vocab"] * FP32}
     if job.runtime_candidates:
         phases["runtime"] = {**process, "cache": cache, "head block": HEAD_BLOCK_BYTES, "gguf file": gguf_bytes(w),
                              "llama.cpp": LLAMA_CPP_BYTES, "logits": 3 * logits, "compare": compare}

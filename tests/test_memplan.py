@@ -77,6 +77,22 @@ def test_final_kl_pass_adds_its_training_state(tiny_llama_dir):
     assert not Workload.of_build(cfg, torch.device("cpu")).compensate_final_kl
 
 
+def test_zero_shot_row_counts_one_model_and_its_batch_of_logits(tiny_llama_dir):
+    """The harness holds one whole model and a batch's [batch, tokens, vocab] logits with their log-softmax:
+    the default build's fidelity peak (2,836 MiB measured at batch 16, 2,101 at batch 4)."""
+    w = {**model_bytes(tiny_llama_dir), "vocab": 49152}  # a real vocabulary: the harness's logits dominate
+    small = {"eval_windows": 1, "torch_candidates": 0, "runtime_candidates": 0}
+    off = {e.stage: e for e in estimate_build(w, _job(zeroshot_batch=0, **small))}["fidelity"]
+    four = {e.stage: e for e in estimate_build(w, _job(zeroshot_batch=4, **small))}["fidelity"]
+    sixteen = {e.stage: e for e in estimate_build(w, _job(zeroshot_batch=16, **small))}["fidelity"]
+    assert "task logits" not in off.terms and four.terms["model"] == w["total"]
+    assert sixteen.terms["task logits"] == 4 * four.terms["task logits"] and sixteen.host_bytes > four.host_bytes
+    cfg = BuildConfig()
+    assert Workload.of_build(cfg, torch.device("cpu")).zeroshot_batch == cfg.fidelity.task_batch_size
+    quiet = dataclasses.replace(cfg, fidelity=dataclasses.replace(cfg.fidelity, tasks=()))
+    assert Workload.of_build(quiet, torch.device("cpu")).zeroshot_batch == 0
+
+
 def test_build_workload_follows_the_config():
     job = Workload.of_build(BuildConfig(), torch.device("cpu"))
     cfg = BuildConfig()
