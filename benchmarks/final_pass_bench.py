@@ -28,7 +28,7 @@ import torch
 from laco_deploy.compensate import distill, klpass, laco, streamed
 from laco_deploy.compensate import run as compensate_run
 from laco_deploy.compensate.budget import resolve_budget
-from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, resolve_precision, split_indices
+from laco_deploy.compensate.train import autocast_ctx, cosine_lr, propagate_dtype, resolve_precision, split_indices
 from laco_deploy.config import CompensateConfig, DataConfig, ModelConfig, PruneConfig
 from laco_deploy.data import calibration_samples, eval_domains, evaluation_windows
 from laco_deploy.engine import capture_inputs
@@ -95,7 +95,7 @@ def block_pass(models, kl_ids: torch.Tensor, cfg: CompensateConfig, block: int) 
     state for that block only; gradients through the later layers as activations), then its
     outputs become the next block's inputs."""
     model, n = models.sparse, len(decoder_layers(models.sparse))
-    propagate = torch.bfloat16 if amp_dtype(CPU, cfg.precision) is torch.bfloat16 else None
+    propagate = propagate_dtype(CPU, cfg.precision)
     teacher = distill.dense_teacher(models.dense, models.dense_lazy, capture_inputs(model, None, kl_ids, CPU), CPU,
                                     cfg.batch_size, propagate)
     inputs = capture_inputs(model, None, kl_ids, CPU)
@@ -145,7 +145,7 @@ def variant(work: Path, name: str, settings: dict) -> None:
     # the precision the stage resolves on this CPU (bf16 autocast only where its matmul is native)
     cfg = dataclasses.replace(CompensateConfig(), batch_size=CompensateConfig.cpu_batch_size, **settings)
     cfg = dataclasses.replace(cfg, precision=resolve_precision(cfg.precision, CPU))
-    propagate = torch.bfloat16 if amp_dtype(CPU, cfg.precision) is torch.bfloat16 else None  # as laco.compensate
+    propagate = propagate_dtype(CPU, cfg.precision)  # as laco.compensate
     budget = resolve_budget(cfg, DATA, CPU)
     models = streamed.open_models(MODEL, work / "walked", cfg, work / "spill")
     ids = calibration_samples(models.tokenizer, DATA.calib, budget.samples + budget.kl_samples, budget.seqlen, DATA.seed)

@@ -25,7 +25,7 @@ from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.guard import ModelGuard
 from laco_deploy.compensate.masks import layer_masks
-from laco_deploy.compensate.train import LayerData, LayerTrainer, amp_dtype, layer_forward, split_indices
+from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, propagate_dtype, split_indices
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine import (
     Lane,
@@ -186,9 +186,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     guard = _guard_on(guard, layer_loader is not None, held)
     if guard is not None:
         guard.capture(sparse_model, held.ids, held.rows, device, cfg.batch_size)
-    # propagation (dense targets, next layer's inputs) in bf16 where training is: fp16's range can
-    # overflow on the outlier activations of large models, so an fp16 run propagates in fp32
-    propagate = torch.bfloat16 if amp_dtype(device, cfg.precision) is torch.bfloat16 else None
+    propagate = propagate_dtype(device, cfg.precision)
     # the guard's teacher without a pass: the walk's last dense outputs (with one: the pass's teacher)
     last_dense = distill.LastDense(len(decoder_layers(sparse_model))) if guard is not None and not kl_samples else None
     checkpoints = LayerCheckpoints(checkpoint_dir, fingerprint, resume)

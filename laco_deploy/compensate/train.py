@@ -76,6 +76,12 @@ def amp_dtype(device: torch.device, precision: str) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_precision(precision, device)]
 
 
+def propagate_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """LaCo's propagation dtype (dense targets, next layer's inputs): bf16 where training is; fp16's
+    range can overflow on the outlier activations of large models, so an fp16 run propagates in fp32."""
+    return torch.bfloat16 if amp_dtype(device, precision) is torch.bfloat16 else None
+
+
 def autocast_ctx(device: torch.device, precision: str):
     dtype = amp_dtype(device, precision)
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
