@@ -48,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kl-samples", type=int, default=64, help="build: final KL pass samples (default 64)")
     p.add_argument("--eval-samples", type=int, default=8, help="build: evaluation windows per domain (default 8)")
     p.add_argument("--ppl-windows", type=int, default=4, help="build: llama-perplexity windows in bench (default 4)")
+    p.add_argument("--loss", help="build: LaCo's layer loss (default: the product's default for the model's family)")
     return p.parse_args()
 
 
@@ -113,7 +114,8 @@ def run_build(args: argparse.Namespace) -> dict:
     cfg = BuildConfig(model=ModelConfig(model=args.model),
                       data=DataConfig(seqlen=args.seqlen, eval_samples=args.eval_samples),
                       prune=PruneConfig(method="wanda", sparsity=0.5),
-                      compensate=CompensateConfig(cpu_samples=args.samples, final_kl_samples=args.kl_samples),
+                      compensate=CompensateConfig(cpu_samples=args.samples, final_kl_samples=args.kl_samples,
+                                                 **({"loss": args.loss} if args.loss else {})),
                       export=ExportConfig(target="gguf"),
                       bench=BenchConfig(repetitions=1, n_prompt=128, n_gen=32, ppl_windows=args.ppl_windows,
                                         threads=args.threads),

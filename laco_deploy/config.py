@@ -161,7 +161,7 @@ class CompensateConfig:
     # (no batch crosses the bus); off: host RAM, the memory-light layout the paper's peak memory assumes
     device_caches: bool = True
     grad_accum: int = 1
-    loss: str = "nmse"  # mse | nmse | cos_mse | channel_nmse | subblock
+    loss: str | None = None  # mse | nmse | cos_mse | channel_nmse | subblock; None: the family's (families.py)
     train_norms: bool = False
     trainable: str = "weights"  # weights (surviving weights) | channel | lowrank (corrections merged under the mask)
     correction_rank: int = 8  # rank of the lowrank correction
@@ -221,7 +221,7 @@ class CompensateConfig:
         errs = []
         if self.method not in ("laco", "lora", "none"):
             errs.append(f"compensate.method {self.method!r} is not one of laco, lora, none")
-        if self.loss not in LOSSES:
+        if self.loss is not None and self.loss not in LOSSES:
             errs.append(f"compensate.loss {self.loss!r} is not one of {', '.join(LOSSES)}")
         if (self.epochs < (0 if self.init == "lsq" else 1) or (self.batch_size is not None and self.batch_size < 1)
                 or self.grad_accum < 1 or self.cpu_batch_size < 1 or self.gpu_tokens_per_step < 1):

@@ -42,6 +42,10 @@ class Family:
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # whole KV head groups can be removed per layer (Phi-3 splits its fused qkv by the model-wide head count)
     structured_heads: bool = True
+    # LaCo's layer loss when compensate.loss is unset. Gemma's residual stream carries a few channels
+    # ~1000x the median: a per-token nmse is all theirs and lets the rest drift (held-out KL of the walk
+    # 0.86 -> 3.27 with nmse, -> 0.33 per channel; RESULTS.md); SmolLM2 does better per token (0.49 vs 0.53)
+    layer_loss: str = "nmse"
 
     def module_names(self, targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         """Short names of the layer's linears the targets (projection names) select."""
@@ -71,12 +75,13 @@ TABLE: tuple[Family, ...] = (
     # residual writers), attention and final-logit tanh soft-capping, alternating sliding-window and
     # full-attention layers (config.layer_types; the engine gives each its own mask), tied head
     Family("Gemma2ForCausalLM", "gemma2", "Gemma 2", "Gemma2DecoderLayer",
-           norms=GEMMA_NORMS, residual_writers={}, logit_softcap_key="final_logit_softcapping"),
+           norms=GEMMA_NORMS, residual_writers={}, logit_softcap_key="final_logit_softcapping",
+           layer_loss="channel_nmse"),
     # Gemma 3 (text): Gemma 2's layer with q/k norms instead of attention soft-capping, five sliding
     # layers (local RoPE base) per full layer (global RoPE base): per-type masks and RoPE tables
     Family("Gemma3ForCausalLM", "gemma3_text", "Gemma 3", "Gemma3DecoderLayer",
            norms=GEMMA_NORMS + ("self_attn.q_norm", "self_attn.k_norm"), residual_writers={},
-           logit_softcap_key="final_logit_softcapping"),
+           logit_softcap_key="final_logit_softcapping", layer_loss="channel_nmse"),
     # Phi-3 / Phi-3.5 mini: Llama's layer with q/k/v fused into qkv_proj ([q; k; v] rows) and gate/up
     # into gate_up_proj ([gate; up] rows); NEOX RoPE; untied head
     Family("Phi3ForCausalLM", "phi3", "Phi-3", "Phi3DecoderLayer", attention=("qkv_proj", "o_proj"),
@@ -108,6 +113,12 @@ def of_config(config: Any) -> Family | None:
 def of_layer(layer: Any) -> Family:
     """The family of a decoder layer, by its class; Llama's layout for a layer we do not know."""
     return _BY_LAYER.get(type(layer).__name__, TABLE[0])
+
+
+def layer_loss(config: Any) -> str:
+    """LaCo's layer loss for a model of this config when the user names none."""
+    family = of_config(config)
+    return family.layer_loss if family is not None else "nmse"
 
 
 def logit_softcap(config: Any) -> float | None:

@@ -47,6 +47,9 @@ def test_build_runs_every_stage(family_dir, target, tmp_path, cli):
     export = manifest["stages"]["export"]["result"]["model"]  # the recovered model's export and its parity check
     fidelity = json.loads((out / "fidelity.json").read_text())
     assert fidelity and manifest["summary"]["sparsity"] == pytest.approx(0.5, abs=0.02)
+    # no loss configured: the family's (Gemma's residual stream needs the per-channel one)
+    recorded = json.loads((out / "recovered" / "config.json").read_text())["laco_deploy"]["loss"]
+    assert recorded == ("channel_nmse" if arch.startswith("gemma") else "nmse")
     if target == "gguf":
         import gguf
 

@@ -53,7 +53,7 @@ def compensate_command(
     sparse: Annotated[Path, typer.Option("--sparse", help="Pruned model directory written by `laco-deploy prune`.")] = ...,
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory for the compensated model (written atomically; checkpoints in OUT.ckpt).")] = ...,
     method: Annotated[str, typer.Option("--method", help="laco (layer-wise), lora (PEFT LoRA baseline, whole model) or none (copy).")] = _C.method,
-    loss: Annotated[str, typer.Option("--loss", help=f"LaCo loss, one of {', '.join(LOSSES)}: nmse is per-token normalized, channel_nmse per hidden channel (for residual streams with a few huge channels, e.g. Gemma 3), subblock fits attention and MLP outputs separately.")] = _C.loss,
+    loss: Annotated[Optional[str], typer.Option("--loss", help=f"LaCo loss, one of {', '.join(LOSSES)}: nmse is per-token normalized, channel_nmse per hidden channel (for residual streams with a few huge channels), subblock fits attention and MLP outputs separately. Default: the model family's (channel_nmse for Gemma 2/3, nmse for the others).")] = _C.loss,
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the calibration samples per layer (LoRA: over the model).")] = _C.epochs,
     lr: Annotated[float, typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule).")] = _C.lr,
     lr_last_factor: Annotated[float, typer.Option("--lr-last-factor", help="LaCo: the last layer's LR is lr * this (geometric decay over depth).")] = _C.lr_last_factor,

@@ -12,6 +12,7 @@ samples the walk never saw, their dense teacher walked on the dense path alone (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from laco_deploy import devices, distributed, sizing
+from laco_deploy import devices, distributed, families, sizing
 from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.guard import ModelGuard
@@ -161,6 +162,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     its record is `guard.record` (None where it could not run: a streamed model)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
+    if cfg.loss is None:  # a caller other than the stage: the family's loss, as the stage resolves it
+        cfg = dataclasses.replace(cfg, loss=families.layer_loss(sparse_model.config))
     if cfg.batch_size is None:  # a caller other than the stage: steps by device, as the stage sizes them
         n_train = input_ids.shape[0] - kl_samples
         cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),

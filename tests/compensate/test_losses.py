@@ -190,3 +190,14 @@ def test_precision_resolves_by_device_and_cpu(monkeypatch):
         monkeypatch.setattr(devices, "traits", lambda _d, b=bf16: devices.Traits(True, b, 2**34))
         assert resolve_precision("auto", cpu) == want
     assert "compensate.precision 'fp8'" in " ".join(CompensateConfig(precision="fp8").validate())
+
+
+def test_the_family_names_the_loss_when_the_user_does_not():
+    from laco_deploy import families
+
+    assert CompensateConfig().loss is None and not CompensateConfig().validate()
+    assert families.layer_loss({"architectures": ["Gemma3ForCausalLM"]}) == "channel_nmse"
+    assert families.layer_loss({"model_type": "gemma2"}) == "channel_nmse"
+    assert families.layer_loss({"architectures": ["LlamaForCausalLM"]}) == "nmse"
+    assert families.layer_loss({"architectures": ["Unknown"]}) == "nmse"
+    assert CompensateConfig(loss="bogus").validate()

@@ -36,7 +36,7 @@ def _trainer(device: torch.device, cache_on_device: bool) -> LayerTrainer:
         inputs.hidden.place(device)
         targets.place(device)
     data = LayerData(inputs.hidden, targets, None, kwargs, torch.arange(20), torch.arange(20, 24))
-    cfg = CompensateConfig(batch_size=4, epochs=1, precision="bf16" if device.type == "cuda" else "fp32")
+    cfg = CompensateConfig(loss="nmse", batch_size=4, epochs=1, precision="bf16" if device.type == "cuda" else "fp32")
     trainer = LayerTrainer(layer, data, layer_masks(layer, PRUNABLE_LINEARS), cfg, 1e-3, device, 0,
                            list(layer.parameters()))
     layer.requires_grad_(False)
