@@ -11,17 +11,28 @@ does not change them):
 
     q8_0   GGUF Q8_0: 32 values, fp16 scale amax / 127, C roundf (gguf-py's quantizer, bit-exact)
     q5_0   GGUF Q5_0: 32 values, fp16 scale max / -16, truncation of x / d + 16.5 (gguf-py, bit-exact)
-    q4_k   GGUF Q4_K, q6_k GGUF Q6_K: see compensate/kquants.py (llama.cpp's reference quantizer)
+    q4_0   GGUF Q4_0: 32 values, fp16 scale max / -8, truncation of x / d + 8.5 (gguf-py, bit-exact)
+    q5_1   GGUF Q5_1: 32 values, fp16 step (max - min) / 31 and fp16 offset min, truncation of
+           (x - min) / d + 0.5 (gguf-py, bit-exact)
+    q2_k, q3_k, q4_k, q5_k, q6_k   GGUF k-quants: see compensate/kquants.py and kquants_low.py
+           (llama.cpp's reference quantizers, bit-exact)
     f16    fp16 rounding (the GGUF fallback for rows that fit no block size)
     int8   ONNX int8: onnxruntime MatMulNBits, 8 bits, blocks of 32, symmetric, fp32 scale max / -128,
            code roundf(x / scale + 128) clamped to [0, 255] (what exporters/onnx.py writes, bit-exact)
 
 A quant-aware TYPE names an export type and says which scheme each linear gets (`tensor_scheme`):
-q8_0 and int8 are uniform; q4_k_m and q6_k follow llama.cpp's per-tensor choice for the same
-`--quant` (Q6_K for attn_v and ffn_down in the layers `use_more_bits` picks, and the fallbacks
-Q4_K -> Q5_0, Q6_K -> Q8_0 -> F16 for rows that are not a multiple of 256 / 32, e.g. the 576-wide
-rows of SmolLM2-135M); q4_k is Q4_K on every linear (with the same fallbacks).
-Symmetric schemes keep a zero weight exactly zero; Q4_K's min offset does not (kquants.py).
+q8_0 and int8 are uniform; the GGUF k-quant types follow llama.cpp's per-tensor choice for the same
+ftype (`llama_tensor_get_type` in src/llama-quant.cpp of the llama.cpp that llama-cpp-python
+vendors; `_mix` below, e.g. Q6_K for attn_v and ffn_down in the layers `use_more_bits` picks in
+Q4_K_M / Q5_K_M), then its fallback for rows that are not a multiple of 256 (`_FALLBACK`: Q2_K and
+Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 for rows not a multiple of 32), e.g.
+the 576-wide rows of SmolLM2-135M; q4_k is Q4_K on every linear (with the same fallbacks). q3_k_s,
+q5_k_s are llama.cpp ftypes laco-deploy's exporter does not write (llama-quantize does).
+Only the decoder linears are fake-quantized: the token embedding and output head, which llama.cpp
+quantizes too (Q6_K for most ftypes), run in float during LaCo. Rules llama.cpp keeps for MoE,
+Falcon and 70B models are not modelled (laco-deploy prunes none of them).
+Symmetric schemes keep a zero weight exactly zero; the affine ones (Q2_K, Q4_K, Q5_K, Q5_1, with a
+min offset) do not (kquants.py).
 """
 
 from __future__ import annotations
@@ -35,7 +46,9 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from laco_deploy.compensate.kquants import QK_K, fp16_round, q4_k, q4_k_apply, q4_k_grid, q6_k, q6_k_apply, q6_k_grid
+from laco_deploy.compensate.kquants import (QK_K, fp16_round, q4_k, q4_k_apply, q4_k_grid, q5_k, q5_k_apply, q5_k_grid,
+                                            q6_k, q6_k_apply, q6_k_grid)
+from laco_deploy.compensate.kquants_low import q2_k, q2_k_apply, q2_k_grid, q3_k, q3_k_apply, q3_k_grid
 from laco_deploy.config import QUANT_AWARE
 from laco_deploy.models import linear_modules
 
@@ -78,6 +91,23 @@ def q5_0(weight: torch.Tensor) -> torch.Tensor:
     return ((q - 16) * fp16_round(d)).reshape(weight.shape)
 
 
+def q4_0(weight: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 round trip. [out, in] with in % 32 == 0 -> [out, in]"""
+    b = weight.reshape(-1, QK)
+    d = _signed_peak(b) / -8
+    q = torch.trunc(b * _inverse(d) + 8.5).clamp(0, 15)
+    return ((q - 8) * fp16_round(d)).reshape(weight.shape)
+
+
+def q5_1(weight: torch.Tensor) -> torch.Tensor:
+    """GGUF Q5_1 round trip (affine: x ~ d * q + min). [out, in] with in % 32 == 0 -> [out, in]"""
+    b = weight.reshape(-1, QK)
+    lo = b.amin(1, keepdim=True)
+    d = (b.amax(1, keepdim=True) - lo) / 31
+    q = torch.trunc((b - lo) * _inverse(d) + 0.5).clamp(0, 31)
+    return (fp16_round(d) * q + fp16_round(lo)).reshape(weight.shape)
+
+
 def f16(weight: torch.Tensor) -> torch.Tensor:
     return fp16_round(weight)
 
@@ -97,10 +127,14 @@ def int8_blocks(weight: torch.Tensor) -> torch.Tensor:
 
 
 SCHEMES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "q8_0": q8_0, "q5_0": q5_0, "q4_k": q4_k, "q6_k": q6_k, "f16": f16, "int8": int8_blocks,
+    "q8_0": q8_0, "q5_0": q5_0, "q4_0": q4_0, "q5_1": q5_1, "q2_k": q2_k, "q3_k": q3_k, "q4_k": q4_k,
+    "q5_k": q5_k, "q6_k": q6_k, "f16": f16, "int8": int8_blocks,
 }
-_BLOCK = {"q8_0": QK, "q5_0": QK, "q4_k": QK_K, "q6_k": QK_K, "f16": 1, "int8": 1}
-_FALLBACK = {"q4_k": "q5_0", "q6_k": "q8_0", "q8_0": "f16", "q5_0": "f16"}  # llama.cpp's tensor_type_fallback
+_BLOCK = {**dict.fromkeys(("q8_0", "q5_0", "q4_0", "q5_1"), QK), **dict.fromkeys(("q2_k", "q3_k", "q4_k", "q5_k", "q6_k"), QK_K),
+          "f16": 1, "int8": 1}
+# llama.cpp's tensor_type_fallback (and F16 where the fallback does not fit either)
+_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0",
+             "q8_0": "f16", "q5_0": "f16", "q4_0": "f16", "q5_1": "f16"}
 
 
 def fake_quantize(weight: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -113,25 +147,50 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-# HF linear -> llama.cpp's tensor category, where a Q4_K_M rule depends on it
-_MORE_BITS_TENSORS = {"v_proj": "attn_v", "down_proj": "ffn_down"}
+# HF linear -> llama.cpp's tensor category, where a rule of _mix depends on it (a fused qkv_proj,
+# Phi-3's attn_qkv, gets attn_v's rules in this llama.cpp)
+_CATEGORY = {"v_proj": "attn_v", "qkv_proj": "attn_v", "o_proj": "attn_output", "down_proj": "ffn_down"}
+# quant-aware type -> the type of the linears no rule changes (the ftype's default type)
+_BASE = {"q8_0": "q8_0", "q4_k": "q4_k", "q6_k": "q6_k", "q2_k": "q2_k", "q3_k_s": "q3_k", "q3_k_m": "q3_k",
+         "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}
 
 
-def tensor_scheme(quant_aware: str, module: str, layer: int, num_layers: int, in_features: int) -> str:
+def _mix(quant_aware: str, category: str, layer: int, num_layers: int, gqa: int) -> str | None:
+    """llama.cpp's llama_tensor_get_type_impl for the decoder linears of a dense model: the type that
+    replaces the ftype's default for this tensor, or None (q3_k_s, q5_k_s and q6_k have no rule)."""
+    more = use_more_bits(layer, num_layers)
+    rules = {
+        "attn_v": {"q2_k": "q4_k" if gqa >= 4 else "q3_k", "q3_k_m": "q5_k" if layer < 2 else "q4_k",
+                   "q4_k_m": "q6_k" if more else None, "q5_k_m": "q6_k" if more else None},
+        "ffn_down": {"q2_k": "q3_k", "q3_k_m": "q5_k" if layer < num_layers // 16 else "q4_k",
+                     "q4_k_m": "q6_k" if more else None, "q5_k_m": "q6_k" if more else None},
+        "attn_output": {"q2_k": "q3_k", "q3_k_m": "q4_k"},
+    }
+    return rules.get(category, {}).get(quant_aware)
+
+
+def tensor_scheme(quant_aware: str, module: str, layer: int, num_layers: int, in_features: int, *, gqa: int) -> str:
     """The scheme the export of type `quant_aware` applies to linear `module` (e.g. `mlp.down_proj`)
-    of decoder layer `layer`, whose rows are `in_features` long."""
+    of decoder layer `layer`, whose rows are `in_features` long, in a model with `gqa` query heads
+    per KV head (llama.cpp's n_gqa(), which only Q2_K's attn_v rule reads)."""
     if quant_aware == "int8":
         return "int8"
-    base = {"q8_0": "q8_0", "q4_k": "q4_k", "q4_k_m": "q4_k", "q6_k": "q6_k"}[quant_aware]
-    if quant_aware == "q4_k_m" and module.rsplit(".", 1)[-1] in _MORE_BITS_TENSORS and use_more_bits(layer, num_layers):
-        base = "q6_k"
+    category = _CATEGORY.get(module.rsplit(".", 1)[-1], "")
+    base = _mix(quant_aware, category, layer, num_layers, gqa) or _BASE[quant_aware]
     while in_features % _BLOCK[base]:
         base = _FALLBACK[base]
     return base
 
 
+def _gqa(layers: list[torch.nn.Module]) -> int:
+    """Query heads per KV head of the first decoder layer (llama.cpp's n_gqa() reads layer 0; pruning
+    removes whole KV groups, so the ratio is the model's); 1 where the layer does not say."""
+    return int(getattr(getattr(layers[0], "self_attn", None), "num_key_value_groups", 1)) if layers else 1
+
+
 # k-quants split into a costly grid search and a cheap rounding onto the grid (kquants.py)
-_GRIDS = {"q4_k": (q4_k_grid, q4_k_apply), "q6_k": (q6_k_grid, q6_k_apply)}
+_GRIDS = {"q2_k": (q2_k_grid, q2_k_apply), "q3_k": (q3_k_grid, q3_k_apply), "q4_k": (q4_k_grid, q4_k_apply),
+          "q5_k": (q5_k_grid, q5_k_apply), "q6_k": (q6_k_grid, q6_k_apply)}
 GRID_REUSE = 8  # training steps that round onto the last k-quant grid before it is searched again
 
 
@@ -215,10 +274,11 @@ def fake_quantized(layers: list[torch.nn.Module], quant_aware: str | None,
     installed: list[torch.nn.Linear] = []
     schemes: dict[str, str] = {}
     active = _ActiveLayer()
+    gqa = _gqa(layers)
     try:
         for index, layer in enumerate(layers):
             for name, lin in linear_modules(layer, targets).items():
-                scheme = tensor_scheme(quant_aware, name, index, len(layers), lin.in_features)
+                scheme = tensor_scheme(quant_aware, name, index, len(layers), lin.in_features, gqa=gqa)
                 quantizer = _Quantizer(scheme, index, active)
                 active.members.setdefault(index, []).append(quantizer)
                 lin.forward = functools.partial(_fake_forward, lin, quantizer)
