@@ -187,15 +187,16 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     kl_ids = input_ids[walk_samples:]
     held = _Held.of(walk_ids, shard, split, kl_ids, cfg, seed)
     guard = _guard_on(guard, layer_loader is not None, held)
-    if guard is not None:
-        guard.capture(sparse_model, held.ids, held.rows, device, cfg.batch_size)
     propagate = propagate_dtype(device, cfg.precision)
     # the guard's teacher without a pass: the walk's last dense outputs (with one: the pass's teacher)
     last_dense = distill.LastDense(len(decoder_layers(sparse_model))) if guard is not None and not kl_samples else None
     checkpoints = LayerCheckpoints(checkpoint_dir, fingerprint, resume)
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
+    # the guard too: QA-LaCo trades float error for quantized error, so both models are judged as exported
     with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
+        if guard is not None:
+            guard.capture(sparse_model, held.ids, held.rows, device, cfg.batch_size)
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,
                               WalkOptions(device, cfg.batch_size, "LaCo", propagate), paths=Paths.BOTH,
                               dense=Lane(dense_model, loader=dense_loader), checkpoints=checkpoints,
@@ -206,8 +207,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
             final, teacher = _final_pass(dense_model, sparse_model, kl_ids, cfg, targets, device=device, seed=seed,
                                          meter=meter, checkpoints=checkpoints, layer_loader=layer_loader,
                                          dense_loader=dense_loader, propagate=propagate, workdir=checkpoint_dir)
-    if guard is not None and teacher is not None:
-        guard.check(sparse_model, held.ids, held.rows, len(held.idx), teacher, device, cfg.batch_size)
+        if guard is not None and teacher is not None:
+            guard.check(sparse_model, held.ids, held.rows, len(held.idx), teacher, device, cfg.batch_size)
     return records, final
 
 

@@ -254,8 +254,7 @@ def kquant_sparse_dir(tmp_path_factory, bpe_tokenizer) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("quant_aware", ["q4_k", "q2_k", "q3_k_m", "q5_k_m"])
 def test_qa_laco_keeps_the_mask(kquant_sparse_dir, tmp_path, quant_aware):
-    """No held-out split: the model-level guard (compensate/guard.py) scores the models in float, where
-    2-bit QA-LaCo on this random model raises the KL a little, and would put the pruned weights back."""
+    """No held-out split, so no model-level guard: the masks are checked on LaCo's own weights."""
     dense, sparse = kquant_sparse_dir
     res = run(ModelConfig(model=str(dense)), DATA, _cfg(epochs=2, quant_aware=quant_aware, val_fraction=0.0), sparse,
               tmp_path / "out")
@@ -266,6 +265,28 @@ def test_qa_laco_keeps_the_mask(kquant_sparse_dir, tmp_path, quant_aware):
             assert not torch.signbit(b[k][b[k] == 0]).any(), k
     assert any(not torch.equal(a[k], b[k]) for k in a)
     assert res.settings["compensate"]["quant_aware"] == quant_aware
+
+
+def test_the_model_guard_judges_qa_laco_as_exported(kquant_sparse_dir, tmp_path, monkeypatch):
+    """QA-LaCo lowers the quantized error, not the float one: the guard must capture the pruned model and
+    score the recovered one with the linears fake-quantized, as llama.cpp will run both."""
+    from laco_deploy.compensate.guard import ModelGuard
+
+    seen = []
+
+    def spy(name, original):
+        def wrapped(self, model, *a, **kw):
+            linears = [m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear)]
+            seen.append((name, all("forward" in vars(m) for m in linears)))  # fake_quantized patches instances
+            return original(self, model, *a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(ModelGuard, "capture", spy("capture", ModelGuard.capture))
+    monkeypatch.setattr(ModelGuard, "check", spy("check", ModelGuard.check))
+    dense, sparse = kquant_sparse_dir
+    res = run(ModelConfig(model=str(dense)), DATA, _cfg(epochs=1, quant_aware="q4_k"), sparse, tmp_path / "out")
+    assert seen == [("capture", True), ("check", True)]
+    assert res.settings["model_guard"]["samples"] > 0
 
 
 def _layer0_error(dense_dir: Path, cand_dir: Path, quant_aware: str | None, ids: torch.Tensor) -> float:
