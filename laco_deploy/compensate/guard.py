@@ -22,6 +22,7 @@ import torch
 from laco_deploy import distributed, families
 from laco_deploy.compensate.klpass import head_logits, kl_to_teacher
 from laco_deploy.engine.cache import ActivationCache
+from laco_deploy.sizing import KL_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,14 @@ class ModelGuard:
         sums = [0.0, 0.0]
         with torch.no_grad(), _on(model, device):
             recovered = _final_hidden(model, input_ids[rows], device, batch_size)
-            for j in range(len(rows)):  # one sample at a time: [seq, vocab] logits are large
-                dense = head_logits(model, teacher.rows(rows[j:j + 1], device), softcap, norm=True)
-                for k, hidden in enumerate((self.pruned, recovered)):
-                    student = head_logits(model, hidden[j:j + 1].to(device), softcap, norm=False)
-                    sums[k] += float(kl_to_teacher(student, dense))
+            for j in range(len(rows)):  # one sample, KL_CHUNK_TOKENS tokens at a time: [seq, vocab] logits are
+                dense_hidden = teacher.rows(rows[j:j + 1], device)  # large (Gemma 3: 134 MB per 128 tokens)
+                seq = dense_hidden.shape[1]
+                for s in range(0, seq, KL_CHUNK_TOKENS):
+                    dense = head_logits(model, dense_hidden[:, s:s + KL_CHUNK_TOKENS], softcap, norm=True)
+                    for k, hidden in enumerate((self.pruned, recovered)):
+                        student = head_logits(model, hidden[j:j + 1, s:s + KL_CHUNK_TOKENS].to(device), softcap, norm=False)
+                        sums[k] += float(kl_to_teacher(student, dense)) * dense.shape[1] / seq
         kl_pruned, kl_recovered = (s / max(1, n_global) for s in distributed.all_reduce_floats(sums))
         kept = kl_recovered < kl_pruned
         if not kept:

@@ -200,3 +200,30 @@ def test_model_guard_puts_the_pruned_weights_back_when_recovery_hurts(tiny_llama
     assert any("WORSE" in n for n in res.notes)
     pruned, out = _weights(sparse_unstructured_dir), _weights(tmp_path / "out")
     assert all(torch.equal(pruned[k], out[k]) for k in pruned if ".layers." in k)
+
+
+def test_model_guard_kl_in_token_chunks_equals_the_full_logits(tiny_llama_dir):
+    """The guard makes the [seq, vocab] logits KL_CHUNK_TOKENS tokens at a time (a 262k vocabulary would
+    hold ~7 copies of 134 MB per sample otherwise); its KL equals the one over whole samples."""
+    from laco_deploy.compensate.guard import ModelGuard
+    from laco_deploy.compensate.klpass import head_logits, kl_to_teacher
+    from laco_deploy.engine.cache import ActivationCache
+    from laco_deploy.models import load_model
+    from laco_deploy.sizing import KL_CHUNK_TOKENS
+
+    model = load_model(str(tiny_llama_dir)).model.eval()
+    seq = 2 * KL_CHUNK_TOKENS + 7  # a ragged last chunk
+    ids = torch.randint(0, model.config.vocab_size, (3, seq), generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([0, 2])
+    teacher = ActivationCache((3, seq, model.config.hidden_size))
+    teacher.data.copy_(torch.randn(teacher.shape, generator=torch.Generator().manual_seed(1)))
+    guard = ModelGuard(lambda m: None)
+    guard.capture(model, ids, rows, torch.device("cpu"), 2)
+    pruned = guard.pruned.clone()
+    with torch.no_grad():
+        whole = sum(float(kl_to_teacher(head_logits(model, pruned[j:j + 1], None, norm=False),
+                                        head_logits(model, teacher.data[rows[j]][None], None, norm=True)))
+                    for j in range(len(rows))) / len(rows)
+    record = guard.check(model, ids, rows, len(rows), teacher, torch.device("cpu"), 2)
+    assert record["kl_pruned"] == pytest.approx(whole, rel=1e-5)
+    assert record["kl_recovered"] == pytest.approx(whole, rel=1e-5)  # the same weights
