@@ -162,12 +162,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     its record is `guard.record` (None where it could not run: a streamed model)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
-    if cfg.loss is None:  # a caller other than the stage: the family's loss, as the stage resolves it
-        cfg = dataclasses.replace(cfg, loss=families.layer_loss(sparse_model.config))
-    if cfg.batch_size is None:  # a caller other than the stage: steps by device, as the stage sizes them
-        n_train = input_ids.shape[0] - kl_samples
-        cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),
-                         sizing.weight_bytes(sparse_model), devices.traits(device), cfg.needs_dense_layer).apply(cfg)
+    cfg = _settled(cfg, sparse_model, input_ids, kl_samples, device)
     mark_folder(checkpoint_dir)  # marked as ours: a rerun may resume or clear it
     kl_samples = _final_pass_samples(sparse_model, cfg, input_ids.shape[1], device, layer_loader is not None, kl_samples)
     walk_samples = input_ids.shape[0] - kl_samples
@@ -210,6 +205,18 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
         if guard is not None and teacher is not None:
             guard.check(sparse_model, held.ids, held.rows, len(held.idx), teacher, device, cfg.batch_size)
     return records, final
+
+
+def _settled(cfg: CompensateConfig, sparse_model, input_ids: torch.Tensor, kl_samples: int,
+             device: torch.device) -> CompensateConfig:
+    """For a caller other than the stage: what the stage resolves, the family's loss and steps by device."""
+    if cfg.loss is None:
+        cfg = dataclasses.replace(cfg, loss=families.layer_loss(sparse_model.config))
+    if cfg.batch_size is None:
+        n_train = input_ids.shape[0] - kl_samples
+        cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),
+                         sizing.weight_bytes(sparse_model), devices.traits(device), cfg.needs_dense_layer).apply(cfg)
+    return cfg
 
 
 def _final_pass_samples(sparse_model, cfg: CompensateConfig, seqlen: int, device: torch.device, streamed: bool,
