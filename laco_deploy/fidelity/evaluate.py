@@ -37,6 +37,7 @@ from laco_deploy.fidelity.sums import Stats
 from laco_deploy.fidelity.tasks import load_tasks
 from laco_deploy.fidelity.torch_pass import DENSE, TorchPass, run_torch_pass
 from laco_deploy.fidelity.verdicts import runtime_agreement
+from laco_deploy.memory import trim_heap
 from laco_deploy.models import load_model, local_model_dir
 from laco_deploy.progress import progress_bar
 from laco_deploy.runtimes.runner import open_runner
@@ -146,6 +147,7 @@ def _score(dense_dir: Path, torch_cands: dict[str, Path], runtime_cands: dict[st
     for label, path in {**runtime_cands, **({_REFERENCE: reference} if reference else {})}.items():
         stats[label] = _score_runtime(label, path, mine, my_domain, tp, fid_cfg)
     tp.close()
+    trim_heap()  # the activation caches' pages go back to the OS before zero-shot loads whole models
     return _gather(dense_nll, dense_by_domain, stats)
 
 
@@ -281,6 +283,7 @@ def _score_runtime(label: str, path: Path, windows: torch.Tensor, window_domain:
             close()
         del runner
         gc.collect()
+        trim_heap()
 
 
 def _zeroshot_loaders(model_cfg: ModelConfig, torch_cands: dict[str, Path], device: torch.device) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import torch
 
 from laco_deploy.config import FidelityConfig
 from laco_deploy.fidelity.tasks import LoadedTasks
+from laco_deploy.memory import trim_heap
 
 log = logging.getLogger(__name__)
 SEED = 1234  # the harness's own default seed for few-shot sampling (unused at 0-shot, set for determinism)
@@ -70,6 +71,7 @@ def evaluate_models(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, models: 
         scores = _evaluate_one(tasks, cfg, tokenizer, model)
         del model
         gc.collect()
+        trim_heap()  # the next model loads into the pages this one freed, not next to them
         per_model[label] = {"tasks": scores, "mean": mean_over_tasks(scores), "wall_s": time.perf_counter() - t0}
     return {
         "tasks": tasks.describe(),
