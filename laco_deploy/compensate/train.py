@@ -151,7 +151,8 @@ class LayerTrainer:
         self.snapshot_file = snapshot_file
         self.lr, self.device, self.seed, self.resident = lr, device, seed, resident
         self.subblock = cfg.loss == "subblock"
-        self.loss_fn = losses.get_loss(cfg.loss)
+        # unset (a caller that skips the stage's resolution, e.g. make_step directly): the family's
+        self.loss_fn = losses.get_loss(cfg.loss or families.of_layer(layer).layer_loss)
         self.corrections = (Corrections(layer, masks, cfg.trainable, cfg.correction_rank, seed)
                             if cfg.trainable != "weights" else None)
         self.params = trainable_parameters(layer, masks, cfg.train_norms, train_weights=self.corrections is None)
