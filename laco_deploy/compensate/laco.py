@@ -12,7 +12,6 @@ samples the walk never saw, their dense teacher walked on the dense path alone (
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from laco_deploy import devices, distributed, families, sizing
+from laco_deploy import devices, distributed, sizing
 from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.guard import ModelGuard
@@ -209,9 +208,8 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
 
 def _settled(cfg: CompensateConfig, sparse_model, input_ids: torch.Tensor, kl_samples: int,
              device: torch.device) -> CompensateConfig:
-    """For a caller other than the stage: what the stage resolves, the family's loss and steps by device."""
-    if cfg.loss is None:
-        cfg = dataclasses.replace(cfg, loss=families.layer_loss(sparse_model.config))
+    """For a caller other than the stage: steps by device, as the stage sizes them (an unset loss is
+    the family's, taken by LayerTrainer)."""
     if cfg.batch_size is None:
         n_train = input_ids.shape[0] - kl_samples
         cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),
