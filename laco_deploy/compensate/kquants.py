@@ -78,9 +78,19 @@ def _qkx2_scale_min(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rd
                     nstep: int, mad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`make_qkx2_quants` on many sub-blocks at once: x, w [k, n], one sub-block of k values per
     column -> (scale [1, n], min [1, n]); `mad` is its use_mad (weighted |error| instead of error^2).
+    With weights given, ggml's `make_qkx3_quants` is the same search (kquants_weighted.py).
 
-    The returned min is positive and subtracted: x ~ scale * q - min. The search keeps the best
-    (scale, min) so far and later steps start from it, as the C loop does.
+    The returned min is positive and subtracted: x ~ scale * q - min."""
+    scale, lo, _, _ = qkx_search(x, w, nmax, rmin, rdelta, nstep, mad)
+    return scale, -lo
+
+
+def qkx_search(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+               mad: bool = False) -> tuple[torch.Tensor, ...]:
+    """The search of `_qkx2_scale_min` -> (scale, offset (<= 0, added), and the inverse scale and
+    offset whose rounding clamp(round(iscale * (x - offset)), 0, nmax) gave the best codes), each [1, n].
+
+    The search keeps the best (scale, min) so far and later steps start from it, as the C loop does.
     """
     loss = torch.abs if mad else torch.square
     lo = x.amin(0, keepdim=True).clamp(max=0.0)
@@ -91,12 +101,14 @@ def _qkx2_scale_min(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rd
     span = torch.where(flat, torch.ones_like(hi), hi - lo)
     iscale = _f32(nmax) / span
     scale = _f32(1.0) / iscale
+    code_iscale, code_lo = iscale, lo
     q = nearest_int(iscale * (x - lo)).clamp(0, nmax)
     best = _seq_sum(w * loss(scale * q + lo - x))
     for step in range(nstep + 1):
         factor = _f32(rmin) + _f32(rdelta) * step + nmax
         span = torch.where(flat, torch.ones_like(hi), hi - lo)
-        q = nearest_int(factor / span * (x - lo)).clamp(0, nmax)
+        this_iscale = factor / span
+        q = nearest_int(this_iscale * (x - lo)).clamp(0, nmax)
         wq = w * q
         sum_l, sum_l2, sum_xl = _seq_sum(wq), _seq_sum(wq * q), _seq_sum(wq * x)
         det = sum_w * sum_l2 - sum_l * sum_l
@@ -108,10 +120,11 @@ def _qkx2_scale_min(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rd
         err = _seq_sum(w * loss(this_scale * q + this_min - x))
         better = (det > 0) & (err < best) & ~flat
         best = torch.where(better, err, best)
+        code_iscale, code_lo = torch.where(better, this_iscale, code_iscale), torch.where(better, lo, code_lo)
         scale = torch.where(better, this_scale, scale)
         lo = torch.where(better, this_min, lo)
     scale = torch.where(flat, torch.zeros_like(scale), scale)
-    return scale, -lo
+    return scale, lo, code_iscale, code_lo
 
 
 def _six_bit(values: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
@@ -174,38 +187,40 @@ def q5_k(weight: torch.Tensor) -> torch.Tensor:
     return q5_k_apply(weight, q5_k_grid(weight))
 
 
-def _qx_scale(x: torch.Tensor, nmax: int) -> torch.Tensor:
-    """`make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`: the weighted (x^2) best scale of each
-    column (one sub-block of k values). x [k, n] -> [1, n]"""
+def _qx_search(x: torch.Tensor, nmax: int, qw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make_qx_quants(n, nmax, x, L, rmse_type=1, qw)` on each column (one sub-block of k values):
+    the weighted best scale and the inverse scale whose rounding gave the codes L (the best
+    candidate's). Weights `qw` [k, n] (an importance matrix), or x^2 where None. x [k, n] -> ([1, n], [1, n])"""
     idx = x.abs().argmax(0, keepdim=True)
     peak = x.gather(0, idx)  # the signed value of largest magnitude (first one on ties)
     empty = peak.abs() < _EPS
     peak = torch.where(empty, torch.ones_like(peak), peak)
-    w = x * x
+    w = x * x if qw is None else qw
 
     def sums(iscale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = nearest_int(iscale * x).clamp(-nmax, nmax - 1)
         return _seq_sum(w * x * q), _seq_sum(w * q * q)
 
-    sumlx, suml2 = sums(_f32(-nmax) / peak)
+    best_iscale = _f32(-nmax) / peak
+    sumlx, suml2 = sums(best_iscale)
     scale = torch.where(suml2 != 0, sumlx / torch.where(suml2 != 0, suml2, torch.ones_like(suml2)),
                         torch.zeros_like(sumlx))
     best = scale * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        sumlx, suml2 = sums(-(nmax + _f32(0.1) * step) / peak)
+        iscale = -(nmax + _f32(0.1) * step) / peak
+        sumlx, suml2 = sums(iscale)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         new_scale = sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2))
         scale = torch.where(better, new_scale, scale)
+        best_iscale = torch.where(better, iscale, best_iscale)
         best = torch.where(better, scale * sumlx, best)
-    return torch.where(empty, torch.zeros_like(scale), scale)
+    return torch.where(empty, torch.zeros_like(scale), scale), best_iscale
 
 
-def q6_k_grid(weight: torch.Tensor) -> torch.Tensor:
-    """The Q6_K grid of a float32 matrix (rows a multiple of 256 long): the step d * sc_j of each
-    sub-block of 16, float32. [out, in] -> [blocks, 16, 1]"""
-    scales = _qx_scale(weight.reshape(-1, 16).T.contiguous(), nmax=32).reshape(-1, QK_K // 16)  # [super-blocks, 16]
+def q6_k_scales_to_grid(scales: torch.Tensor) -> torch.Tensor:
+    """Q6_K's int8 sub-block scales under one fp16 d per super-block: scales [super-blocks, 16] -> [blocks, 16, 1]"""
     idx = scales.abs().argmax(1, keepdim=True)
     peak = scales.gather(1, idx)
     empty = peak.abs() < _EPS
@@ -213,6 +228,13 @@ def q6_k_grid(weight: torch.Tensor) -> torch.Tensor:
     sc = nearest_int(iscale * scales).clamp(max=127)
     d = fp16_round(_f32(1.0) / iscale) * sc
     return torch.where(empty, torch.zeros_like(d), d).unsqueeze(-1)
+
+
+def q6_k_grid(weight: torch.Tensor) -> torch.Tensor:
+    """The Q6_K grid of a float32 matrix (rows a multiple of 256 long): the step d * sc_j of each
+    sub-block of 16, float32. [out, in] -> [blocks, 16, 1]"""
+    scales = _qx_search(weight.reshape(-1, 16).T.contiguous(), nmax=32)[0].reshape(-1, QK_K // 16)  # [super-blocks, 16]
+    return q6_k_scales_to_grid(scales)
 
 
 def symmetric_apply(weight: torch.Tensor, grid: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:

@@ -50,6 +50,31 @@ def q2_k(weight: torch.Tensor) -> torch.Tensor:
     return q2_k_apply(weight, q2_k_grid(weight))
 
 
+def descend(x: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, sumlx: torch.Tensor, suml2: torch.Tensor, *,
+            qmin: int | None, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ggml's coordinate descent on the codes of each column (up to 5 passes; `make_q3_quants`: qmin
+    -nmax, `make_qp_quants`: qmin None, its uint8 codes, where a move also needs sl2 > 0 before it):
+    move one code at a time to nearest_int(x * sl2 / slx) while the weighted fit sumlx^2 / suml2 grows.
+    x, w, codes [k, n], sums [n] -> (codes, sumlx, suml2)"""
+    for _ in range(5):
+        changed = False
+        for i in range(x.shape[0]):  # one code at a time, each move seeing the sums the previous left
+            xi, wi, li = x[i], w[i], codes[i]
+            slx = sumlx - wi * xi * li
+            sl2 = suml2 - wi * li * li
+            ok = (slx > 0) if qmin is not None else (slx > 0) & (sl2 > 0)
+            new = nearest_int(xi * sl2 / torch.where(ok, slx, torch.ones_like(slx))).clamp(qmin, qmax)
+            slx = slx + wi * xi * new
+            sl2 = sl2 + wi * new * new
+            take = ok & (new != li) & (sl2 > 0) & (slx * slx * suml2 > sumlx * sumlx * sl2)
+            codes[i] = torch.where(take, new if qmin is not None else torch.where(new < 0, new + 256, new), li)
+            sumlx, suml2 = torch.where(take, slx, sumlx), torch.where(take, sl2, suml2)
+            changed = changed or bool(take.any())
+        if not changed:  # a pass that moves nothing leaves every later pass nothing to move
+            break
+    return codes, sumlx, suml2
+
+
 def _q3_scale(x: torch.Tensor, nmax: int = 4) -> torch.Tensor:
     """`make_q3_quants(n, nmax, x, L, do_rmse=true)` on each column (one sub-block of k values). x [k, n] -> [1, n]"""
     peak = x.gather(0, x.abs().argmax(0, keepdim=True))  # the signed value of largest magnitude (first on ties)
@@ -58,22 +83,7 @@ def _q3_scale(x: torch.Tensor, nmax: int = 4) -> torch.Tensor:
     codes = nearest_int(iscale * x).clamp(-nmax, nmax - 1)  # [k, n]
     w = x * x
     sumlx, suml2 = _seq_sum(w * x * codes)[0], _seq_sum(w * codes * codes)[0]
-    for _ in range(5):
-        changed = False
-        for i in range(x.shape[0]):  # one code at a time, each move seeing the sums the previous left
-            xi, wi, li = x[i], w[i], codes[i]
-            slx = sumlx - wi * xi * li
-            sl2 = suml2 - wi * li * li
-            positive = slx > 0
-            new = nearest_int(xi * sl2 / torch.where(positive, slx, torch.ones_like(slx))).clamp(-nmax, nmax - 1)
-            slx = slx + wi * xi * new
-            sl2 = sl2 + wi * new * new
-            take = positive & (new != li) & (sl2 > 0) & (slx * slx * suml2 > sumlx * sumlx * sl2)
-            codes[i] = torch.where(take, new, li)
-            sumlx, suml2 = torch.where(take, slx, sumlx), torch.where(take, sl2, suml2)
-            changed = changed or bool(take.any())
-        if not changed:  # a pass that moves nothing leaves every later pass nothing to move
-            break
+    codes, sumlx, suml2 = descend(x, w, codes, sumlx, suml2, qmin=-nmax, qmax=nmax - 1)
     scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, torch.ones_like(suml2)), torch.zeros_like(sumlx))
     return torch.where(empty[0], torch.zeros_like(scale), scale).unsqueeze(0)
 
