@@ -35,10 +35,11 @@ def check_inputs(cfg: BuildConfig) -> Checked:
 
 
 def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None,
-            checked: Checked | None = None) -> BuildRecipe:
+            checked: Checked | None = None, size_budget: dict[str, Any] | None = None) -> BuildRecipe:
     """The recipe of a build over its folder's stage cache (the folder is created, a previous
     manifest's stages become candidates for reuse). `checked`: what check_inputs(cfg) returned, when
-    the caller passed the boundary already (the CLI does, before its log file exists)."""
+    the caller passed the boundary already (the CLI does, before its log file exists). `size_budget`:
+    the record of the size-budget choice that made `cfg` (budget.Choice.record), kept in the manifest."""
     checked = checked if checked is not None else check_inputs(cfg)
     device = checked.device
     root = Path(cfg.out)
@@ -52,16 +53,18 @@ def prepare(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None
         "seed": cfg.data.seed,
         "versions": package_versions(),
     }
+    if size_budget is not None:
+        header["size_budget"] = size_budget
     return BuildRecipe(cfg, StageCache(root, header, device, on_stage), checked)
 
 
 def build(cfg: BuildConfig, on_stage: Callable[[str, str], None] | None = None,
-          checked: Checked | None = None) -> dict[str, Any]:
-    """Run the whole chain; return the manifest (also written to <out>/manifest.json). `checked`: as
-    for `prepare`."""
+          checked: Checked | None = None, size_budget: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the whole chain; return the manifest (also written to <out>/manifest.json). `checked`,
+    `size_budget`: as for `prepare`."""
     from laco_deploy.summary import summarize
 
-    recipe = prepare(cfg, on_stage, checked)
+    recipe = prepare(cfg, on_stage, checked, size_budget)
     manifest = recipe.cache.manifest
     manifest["gates_passed"] = recipe.run()
     if distributed.is_main():  # torchrun: the other ranks did not run export and bench themselves

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from laco_deploy.budget import explain
 from laco_deploy.fidelity.gates import verdict
 from laco_deploy.fidelity.verdicts import gaps_withheld, worse_than_pruned
 
@@ -28,6 +29,8 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         "memory_kind": next((v.get("memory_kind") for v in stages.values() if v.get("memory_kind")), None),
         "stage_reused": [k for k, v in stages.items() if v.get("reused")],
     }
+    if manifest.get("size_budget"):
+        out["size_budget"] = size_digest(manifest["size_budget"], (export.get("model") or {}).get("size_bytes"))
     cands = {label: c.get("metrics", {}) for label, c in fid.get("candidates", {}).items()}
     if fid:
         out["ppl_pytorch"] = {"dense": fid.get("dense", {}).get("ppl")}
@@ -50,6 +53,23 @@ def summarize(manifest: dict[str, Any]) -> dict[str, Any]:
         out["tg_tps"] = {label: _median(m.get("tg_tps")) for label, m in models.items()}
         out["pp_tps"] = {label: _median(m.get("pp_tps")) for label, m in models.items()}
     return out
+
+
+def size_digest(rec: dict[str, Any], file_bytes: int | None) -> dict[str, Any]:
+    """The size-budget choice (budget.Choice.record) and whether the exported file kept to the budget
+    (the estimate carries bits per weight measured on the default model over to this one)."""
+    within = None if file_bytes is None else file_bytes <= rec["budget_bytes"]
+    return {**rec, "file_mib": None if file_bytes is None else round(file_bytes / 2**20, 2), "within": within}
+
+
+def size_lines(digest: dict[str, Any]) -> list[str]:
+    """The summary's lines on the size budget: the choice and why, then the file against the budget."""
+    lines = explain(digest)
+    if digest.get("within") is not None:
+        verdict = "within the budget" if digest["within"] else (
+            "OVER the budget: the size measured on the default model did not carry over; give a smaller size budget")
+        lines.append(f"file             {digest['file_mib']:.1f} MiB (estimated {digest['chosen']['est_mib']:.1f}): {verdict}")
+    return lines + [""]
 
 
 def zeroshot_digest(zs: dict[str, Any]) -> dict[str, Any]:
@@ -154,6 +174,8 @@ def summary_lines(summary: dict[str, Any], root: str) -> list[str]:
              f"exported model   {summary.get('exported')} ({summary.get('export_size_mib')} MiB)",
              f"sparsity         {_fmt(summary.get('sparsity'))} ({summary.get('pattern')}), recovered with {summary.get('recovered_with')}",
              ""]
+    if summary.get("size_budget"):
+        lines += size_lines(summary["size_budget"])
     runtime = summary.get("runtime", "runtime")
     cols = [("ppl_pytorch", "ppl torch"), ("ppl_runtime", f"ppl {runtime}"), ("kl_mean", "KL mean"),
             ("top1", "top-1"), ("tg_tps", "gen tok/s"), ("pp_tps", "prompt tok/s")]

@@ -22,13 +22,15 @@ D = "laco_deploy."
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contracts", ("laco_deploy", D + "errors", D + "config", D + "presets", D + "targets", D + "artifacts",
                    D + "families", D + "structured", D + "fsutil", D + "versions", D + "devices", D + "flops",
-                   D + "memory", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence")),
+                   D + "memory", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence",
+                   D + "budget_table")),
     ("models", (D + "modelcheck", D + "models", D + "sizing", D + "checked")),
     ("engine, exporters", (D + "engine", "exporters")),
     ("runtimes", (D + "runtimes",)),
     ("stages", (D + "prune", D + "compensate", D + "fidelity", D + "imatrix")),
     ("benchmarks", (D + "bench",)),
-    ("build", (D + "buildconfig", D + "stagecache", D + "summary", D + "memplan", D + "pipeline_stages", D + "pipeline")),
+    ("build", (D + "buildconfig", D + "budget", D + "stagecache", D + "summary", D + "memplan", D + "pipeline_stages",
+               D + "pipeline")),
     ("cli", (D + "cli",)),
 )
 

@@ -68,7 +68,7 @@ def test_cli_preset_reaches_the_build(cli, tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_build(cfg, on_stage=None, checked=None):
+    def fake_build(cfg, on_stage=None, checked=None, size_budget=None):
         seen["cfg"] = cfg
         raise ConfigError("stopped by the test")
 

@@ -13,8 +13,8 @@ from laco_deploy import __version__
 from laco_deploy.cli import flags, output
 from laco_deploy.cli.app import app
 from laco_deploy.cli.common import DeviceOpt, ResumeOpt, SeedOpt, TrustRemoteCodeOpt, console
-from laco_deploy.config import IMATRIX_CALIB, PRUNE_METHODS, BuildConfig, DataConfig, to_dict
-from laco_deploy.errors import GateFailed
+from laco_deploy.config import IMATRIX_CALIB, PRUNE_METHODS, BuildConfig, DataConfig, ModelConfig, to_dict
+from laco_deploy.errors import ConfigError, GateFailed
 from laco_deploy.fsutil import check_output, mark_folder
 from laco_deploy.presets import help_text as preset_help
 from laco_deploy.targets import quant_help, target_help
@@ -46,6 +46,7 @@ def build_command(
     trust_remote_code: TrustRemoteCodeOpt = False,
     out: Annotated[Optional[Path], Opt("--out", "-o", help=f"Build folder. (default: {_B.out})", show_default=False)] = None,
     preset: Annotated[Optional[str], Opt("--preset", "-p", help=f"Settings chosen by goal, measured on the default model (benchmarks/RESULTS.md, speed/quality frontier); --config and flags override them. {preset_help()}.", show_default=False)] = None,
+    size: Annotated[Optional[str], Opt("--size", help="File-size budget, e.g. 90MiB, 90M (= MiB), 90MB or 0.09GB (10^6 / 10^9 bytes): builds the measured configuration (pruning, weight type, LaCo or QA-LaCo, importance matrix) with the best measured quality whose file fits, estimated for this model from its parameter count (bits per weight and perplexity / dense measured on SmolLM2-135M: benchmarks/RESULTS.md, speed/quality frontier); the choice and why are logged and in the summary and manifest. --target, --quant, --recover, --imatrix, --method, --sparsity, --pattern, --structured (and the same keys in --config) narrow the choice instead of overriding it; not with --preset.", show_default=False)] = None,
     config: Annotated[Optional[Path], Opt("--config", "-c", help="YAML file with any of these settings by section (model, data, prune, compensate, fidelity, export, bench); flags override it.", show_default=False)] = None,
     resume: ResumeOpt = False,
     max_kl: Annotated[Optional[float], Opt("--max-kl", help="Gate: fail if mean KL(dense||exported) exceeds this.", show_default=False)] = None,
@@ -75,38 +76,68 @@ def build_command(
         "fidelity.min_top1": min_top1, "fidelity.max_ppl_ratio": max_ppl_ratio,
         "fidelity.tasks": () if no_tasks else (parse_task_list(tasks) or None), "fidelity.task_limit": task_limit,
     }
-    _build(*_settings(config, preset, overrides), preset, as_json)
+    _build(*_settings(config, preset, overrides, size), preset, as_json)
 
 
-def _settings(config: Path | None, preset: str | None, overrides: dict[str, Any]) -> tuple[BuildConfig, Any]:
-    """The build's settings (preset < config file < flags) and its boundary (pipeline.check_inputs),
-    passed before the build folder and its log exist: a bad input leaves nothing behind."""
+def _settings(config: Path | None, preset: str | None, overrides: dict[str, Any],
+              size: str | None = None) -> tuple[BuildConfig, Any, dict | None]:
+    """The build's settings (preset or size choice < config file < flags), its boundary
+    (pipeline.check_inputs), passed before the build folder and its log exist: a bad input leaves
+    nothing behind, and the size choice's record (None without --size)."""
     from laco_deploy.buildconfig import merge, read_config_file
     from laco_deploy.pipeline import check_inputs
     from laco_deploy.presets import layer, preset_values
     from laco_deploy.stagecache import is_build_folder
 
     file_values = read_config_file(config) if config else {}
-    if preset is not None:  # under the file and the flags, like a config file of its own
+    choice = None
+    if size is not None:
+        if preset is not None:
+            raise ConfigError("--size and --preset both choose the pruning, weight type and recovery: pass one of them "
+                              "(flags such as --quant narrow what --size chooses from)")
+        file_values, overrides, choice = _by_size(size, file_values, overrides)
+    elif preset is not None:  # under the file and the flags, like a config file of its own
         file_values = layer(preset_values(preset), file_values, {k for k, v in overrides.items() if v is not None})
     cfg = merge(file_values, overrides)
     check_output(Path(cfg.out), "--out", kind="into", made_here=is_build_folder)
-    return cfg, check_inputs(cfg)
+    return cfg, check_inputs(cfg), choice
 
 
-def _build(cfg: BuildConfig, checked, preset: str | None, as_json: bool) -> None:
+def _by_size(size: str, file_values: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict, dict, dict]:
+    """The measured configuration that fits `size` for the build's model, layered like a preset: the
+    settings it decides that the file or flags gave agree with it (budget.disagrees) and are left to it."""
+    from laco_deploy import budget
+    from laco_deploy.presets import layer
+
+    budget.parse_size(size)  # a nonsense budget fails before the model is read
+    given = budget.given_settings(file_values, overrides)
+    model_file = file_values.get("model") if isinstance(file_values.get("model"), dict) else {}
+    model = overrides.get("model.model") or model_file.get("model") or ModelConfig().model
+    remote = bool(overrides.get("model.trust_remote_code") or model_file.get("trust_remote_code"))
+    choice = budget.choose(size, budget.model_params(str(model), remote), given)
+    flags = {k for k, v in overrides.items() if v is not None} - set(given)
+    file_values = layer(choice.settings, budget.without(file_values, set(given)), flags)
+    return file_values, {k: (None if k in given else v) for k, v in overrides.items()}, choice.record()
+
+
+def _build(cfg: BuildConfig, checked, choice: dict | None, preset: str | None, as_json: bool) -> None:
     """Run the build into its folder, logging to build.log; print the summary; a failed gate exits 1."""
+    from laco_deploy.budget import explain
     from laco_deploy.pipeline import build
     from laco_deploy.summary import summary_lines
 
     mark_folder(Path(cfg.out))
     with output.log_file(Path(cfg.out) / BUILD_LOG) as log_path:
         log.debug("laco-deploy %s build; settings: %s", __version__, to_dict(cfg))
-        output.say(f"building into {cfg.out} ({'preset ' + preset + ', ' if preset else ''}target {cfg.export.target} {cfg.export.resolved_quant}, "
+        for line in explain(choice, full=True) if choice else ():
+            log.info(line, extra=output.FILE_ONLY)
+        chosen = f"size {choice['budget']} -> {choice['chosen']['label']} {choice['chosen']['quant']}, " if choice else ""
+        output.say(f"building into {cfg.out} ({'preset ' + preset + ', ' if preset else ''}{chosen}target {cfg.export.target} {cfg.export.resolved_quant}, "
                    f"{cfg.prune.method} {cfg.prune.pattern or cfg.prune.structured or cfg.prune.sparsity}, "
                    f"recover {cfg.compensate.method}; full log in {log_path})")
         status_words = {"running": "[cyan]running[/]", "reused": "[green]reused (inputs and settings unchanged)[/]", "done": "[green]done[/]"}
-        manifest = build(cfg, lambda s, st: output.say(f"stage {s:<10} {st}", f"stage {s:<10} {status_words.get(st, st)}"), checked)
+        manifest = build(cfg, lambda s, st: output.say(f"stage {s:<10} {st}", f"stage {s:<10} {status_words.get(st, st)}"), checked,
+                         size_budget=choice)
         summary = manifest["summary"]
         lines = summary_lines(summary, cfg.out)
         for line in lines:

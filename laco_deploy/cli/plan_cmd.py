@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -35,6 +35,7 @@ def plan_command(
     eval_samples: EvalSamplesOpt = _D.eval_samples,
     device: DeviceOpt = "cpu",
     trust_remote_code: TrustRemoteCodeOpt = False,
+    size: Annotated[Optional[str], typer.Option("--size", help="Also show what `build --size` would choose for this model within this file-size budget (e.g. 90MiB), with the candidates and why, without building.", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the estimates as JSON.")] = False,
 ) -> None:
     """Predict the peak memory of each stage of `laco-deploy build` for a model, before running it.
@@ -42,13 +43,17 @@ def plan_command(
     Reads the model's config only (no weights): per stage the peak resident memory of the process
     (RSS) and, for a CUDA run, the peak device memory (one decoder layer, or a pair, with its
     training state and activations). Checked against measured peaks by benchmarks/scale_bench.py.
+    With --size, also the configuration `build --size` would choose for this model, and why.
     """
     import torch
 
+    from laco_deploy.budget import choose, explain, parse_size
     from laco_deploy.memplan import Workload, estimate_build
-    from laco_deploy.sizing import model_bytes
+    from laco_deploy.sizing import FP32, model_bytes
     from laco_deploy.models import check_source, local_model_dir
 
+    if size is not None:
+        parse_size(size)  # a nonsense budget fails before the model is read
     data = data_config(_D.calib, _D.eval, samples, seqlen, eval_samples, _D.seed)
     cfg = BuildConfig(data=data, prune=PruneConfig(offload=offload), compensate=CompensateConfig(offload=offload))
     check(cfg.validate())
@@ -56,11 +61,15 @@ def plan_command(
     sizes = model_bytes(local_model_dir(model), trust_remote_code)
     job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"), sizes)
     stages = estimate_build(sizes, job)
+    choice = choose(size, sizes["total"] // FP32).record() if size is not None else None
     if as_json:
         typer.echo(json.dumps({"model": model, "weights_bytes": sizes, "workload": job.__dict__,
                                "stages": [{"stage": e.stage, "host_bytes": e.host_bytes, "device_bytes": e.device_bytes,
-                                           "terms": e.terms} for e in stages]}, indent=2))
+                                           "terms": e.terms} for e in stages], **({"size_budget": choice} if choice else {})},
+                              indent=2))
         return
+    for line in explain(choice, full=True) + [""] if choice else ():
+        console.print(line, highlight=False, soft_wrap=True)
     console.print(f"model        {model}: {sizes['total'] / 4 / 1e6:.0f} M parameters, {sizes['total'] / MIB:.0f} MiB in fp32")
     console.print(f"             {sizes['num_layers']} decoder layers, the largest {sizes['layer_max'] / MIB:.1f} MiB; offload {offload}")
     console.print(f"{'stage':<12} {'RAM MiB':>8} {'GPU MiB':>8}  largest parts (MiB)")

@@ -1,0 +1,84 @@
+"""The measured configurations of `build --size` are the frontier's own numbers: every row's file size
+and perplexity, and each run's dense perplexity, read back from benchmarks/RESULTS.md; every row's
+settings build that row; the default model's parameter count is SmolLM2-135M's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from laco_deploy.budget_table import GRID, IMATRIX, MEASURED_PARAMS, QA, ROWS, SOURCES, settings
+from laco_deploy.buildconfig import merge
+from laco_deploy.config import FFN_LINEARS, PRUNABLE_LINEARS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _section(title: str) -> str:
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert f"### {title}\n" in text, title
+    body = text.split(f"### {title}\n", 1)[1]
+    return body.split("\n### ", 1)[0].split("\n## ", 1)[0]
+
+
+def _first_table(title: str) -> list[list[str]]:
+    """The section's first Markdown table, without its header and rule, bold marks dropped."""
+    lines = _section(title).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("**", "") for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_grid_rows_are_the_full_grid_table():
+    table = {(r[0], r[2]): (float(r[3]), float(r[4])) for r in _first_table(SOURCES["grid"].section)}
+    for label, cells in GRID.items():
+        for quant, measured in cells.items():
+            assert table[(label, quant)] == measured, (label, quant)
+    assert table[("dense", "f16")][1] == SOURCES["grid"].dense_ppl
+
+
+def test_imatrix_rows_are_the_rival_table():
+    table = {r[0]: (float(r[1]), float(r[3])) for r in _first_table(SOURCES["imatrix"].section)}
+    assert {q: table[q] for q in IMATRIX["dense-imatrix"]} == IMATRIX["dense-imatrix"]
+    assert f"gap to F16 ({SOURCES['imatrix'].dense_ppl})" in _section(SOURCES["imatrix"].section)
+
+
+def test_qa_rows_are_the_qa_laco_table():
+    rows = _first_table(SOURCES["qa"].section)
+    assert next(r for r in rows if r[0].startswith("dense fp32"))[2] == str(SOURCES["qa"].dense_ppl)
+    for label, cells in QA.items():
+        (quant, (size_mib, ppl)), = cells.items()
+        row = next(r for r in rows if r[0] == f"{quant.upper()}, QA-LaCo")
+        assert int(row[1].replace(",", "")) / 2**20 == pytest.approx(size_mib) and float(row[2]) == ppl
+
+
+def test_measured_params_are_smollm2_135m():
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == MEASURED_PARAMS
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda r: f"{r.label}@{r.quant}")
+def test_each_rows_settings_build_that_row(row):
+    cfg = merge(settings(row), {})
+    family, _, recovery = row.label.partition("+")
+    assert cfg.export.resolved_quant == row.quant
+    assert (cfg.export.imatrix is not None) == (family == "dense-imatrix")
+    assert cfg.compensate.method == ("laco" if recovery else "none")
+    assert cfg.compensate.quant_aware == (recovery[3:] if recovery.startswith("qa-") else None)
+    if family.startswith("dense"):
+        assert cfg.prune.sparsity == 0.0 and cfg.prune.structured is None and cfg.prune.pattern is None
+    elif family.startswith("s"):
+        assert cfg.prune.structured == int(family[1:3]) / 100
+        assert cfg.prune.targets == (FFN_LINEARS if family.endswith("-ffn") else PRUNABLE_LINEARS)
+    else:
+        assert (cfg.prune.pattern, cfg.prune.sparsity) == (("2:4", 0.5) if family == "2:4" else (None, 0.5))
