@@ -1,10 +1,11 @@
 """Pick by budget: a file-size budget -> the measured configuration with the best measured quality whose
 file fits, for the user's own model (`build --size`, `plan --size`).
 
-The configurations are the frontier's rows (budget_table.py). A row's size is bits per weight on the
-default model, so its file on another model is estimated before building as bits per weight x that
-model's parameters (from its config alone, sizing.py); its quality is its perplexity over the dense
-model's in the same run, measured on the default model. The choice: the lowest perplexity ratio among
+The configurations are the frontier's rows (budget_table.py). A row's file on another model is
+estimated before building from that model's config alone (sizing.py): its embedding at the bits per
+weight of the export type, its other weights at the bits per weight the row's file spends on them on
+the default model, its vocabulary at the default file's metadata per entry (budget_table.Row.file_bytes);
+its quality is its perplexity over the dense model's in the same run, measured on the default model. The choice: the lowest perplexity ratio among
 the rows that fit; ties (equal to 4 decimals) go to the smaller file, then to the table's order. The
 settings a user gave that a row decides (pruning pattern, recovery, QA-LaCo type, export target and
 type, importance matrix) narrow the rows to those that agree with them. The chosen row's settings are
@@ -18,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from laco_deploy.budget_table import MEASURED_ON, ROWS, SOURCES, Row, settings
+from laco_deploy.budget_table import MEASURED_ON, ROWS, SOURCES, ModelShape, Row, settings
 from laco_deploy.config import PruneConfig
 from laco_deploy.errors import ConfigError
 
@@ -59,11 +60,12 @@ class Candidate:
     def rank(self) -> tuple:
         return round(self.row.ppl_ratio, 4), self.est_bytes, self.index
 
-    def record(self, budget_bytes: int, detail: bool = False) -> dict[str, Any]:
+    def record(self, budget_bytes: int, params: int, detail: bool = False) -> dict[str, Any]:
         """JSON-ready; `detail`: with its settings and measurement protocol (the chosen one)."""
         r, src = self.row, SOURCES[self.row.source]
         out = {"label": r.label, "quant": r.quant, "describe": describe(r), "est_mib": round(self.est_bytes / MIB, 2),
-               "bits_per_weight": round(r.bits_per_weight, 3), "ppl_ratio": round(r.ppl_ratio, 4),
+               "bits_per_weight": round(self.est_bytes * 8 / params, 3), "layer_bits": round(r.layer_bits, 3),
+               "ppl_ratio": round(r.ppl_ratio, 4),
                "fits": self.est_bytes <= budget_bytes, "measured_mib": round(r.size_mib, 2), "measured_ppl": r.ppl,
                "dense_ppl": src.dense_ppl, "source": f'benchmarks/RESULTS.md "{src.section}"'}
         return {**out, "protocol": src.protocol, "settings": settings(r)} if detail else out
@@ -73,7 +75,7 @@ class Candidate:
 class Choice:
     budget: str  # as the user wrote it
     budget_bytes: int
-    params: int  # the user's model's parameters
+    shape: ModelShape  # the user's model
     chosen: Candidate
     candidates: tuple[Candidate, ...]  # every row that agrees with the given settings, best first
     given: dict[str, Any]
@@ -86,11 +88,13 @@ class Choice:
     def record(self) -> dict[str, Any]:
         """JSON-ready: what was chosen, why, from which candidates (the manifest's `size_budget`)."""
         fits = [c for c in self.candidates if c.est_bytes <= self.budget_bytes]
+        n = self.shape.params
         return {"budget": self.budget, "budget_bytes": self.budget_bytes, "budget_mib": round(self.budget_bytes / MIB, 2),
-                "model_params": self.params, "measured_on": MEASURED_ON, "rule": RULE,
+                "model": {"params": n, "embed": self.shape.embed, "vocab": self.shape.vocab},
+                "measured_on": MEASURED_ON, "rule": RULE,
                 "given": {k: list(v) if isinstance(v, tuple) else v for k, v in self.given.items()},
-                "chosen": self.chosen.record(self.budget_bytes, detail=True), "fitting": len(fits),
-                "candidates": [c.record(self.budget_bytes) for c in self.candidates]}
+                "chosen": self.chosen.record(self.budget_bytes, n, detail=True), "fitting": len(fits),
+                "candidates": [c.record(self.budget_bytes, n) for c in self.candidates]}
 
 
 def describe(row: Row) -> str:
@@ -149,9 +153,9 @@ def disagrees(row: Row, given: dict[str, Any]) -> list[str]:
     return bad
 
 
-def candidates(params: int, given: dict[str, Any]) -> list[Candidate]:
-    """Every row that agrees with `given`, with its estimated file for a model of `params`, best first."""
-    rows = [Candidate(r, int(r.bits_per_weight * params / 8), i) for i, r in enumerate(ROWS) if not disagrees(r, given)]
+def candidates(shape: ModelShape, given: dict[str, Any]) -> list[Candidate]:
+    """Every row that agrees with `given`, with its estimated file for a model of `shape`, best first."""
+    rows = [Candidate(r, r.file_bytes(shape), i) for i, r in enumerate(ROWS) if not disagrees(r, given)]
     if not rows:
         measured = {k: sorted({str(settings(r)[k.partition('.')[0]].get(k.partition('.')[2])) for r in ROWS}) for k in given}
         raise ConfigError("no measured configuration has " + " and ".join(f"{k} {v!r}" for k, v in given.items())
@@ -160,31 +164,36 @@ def candidates(params: int, given: dict[str, Any]) -> list[Candidate]:
     return sorted(rows, key=lambda c: c.rank)
 
 
-def choose(budget: str, params: int, given: dict[str, Any] | None = None) -> Choice:
-    """The best measured configuration whose estimated file for a model of `params` parameters fits
-    `budget` (text, parse_size); ConfigError naming the smallest achievable size when none fits."""
-    if params < 1:
-        raise ConfigError(f"a model of {params} parameters has no size to budget")
+def choose(budget: str, shape: ModelShape, given: dict[str, Any] | None = None) -> Choice:
+    """The best measured configuration whose estimated file for a model of `shape` fits `budget`
+    (text, parse_size); ConfigError naming the smallest achievable size when none fits."""
     budget_bytes = parse_size(budget)
     given = dict(given or {})
-    cands = candidates(params, given)
+    cands = candidates(shape, given)
     fits = [c for c in cands if c.est_bytes <= budget_bytes]
     if not fits:
         small = min(cands, key=lambda c: (c.est_bytes, c.rank))
         narrowed = " with " + ", ".join(f"{k} {v}" for k, v in given.items()) if given else ""
         raise ConfigError(f"no measured configuration{narrowed} fits the size budget {budget} ({budget_bytes / MIB:.1f} "
-                          f"MiB) for this model ({params / 1e6:.1f} M parameters): the smallest achievable is "
+                          f"MiB) for this model ({shape.params / 1e6:.1f} M parameters): the smallest achievable is "
                           f"{math.ceil(small.est_bytes / MIB * 10) / 10:.1f} MiB ({describe(small.row)}); give a budget of at least that")
-    return Choice(budget, budget_bytes, params, fits[0], tuple(cands), given)
+    return Choice(budget, budget_bytes, shape, fits[0], tuple(cands), given)
 
 
-def model_params(spec: str, trust_remote_code: bool = False) -> int:
-    """Parameters of the model `spec` from its config alone (no weights read; tied weights once)."""
+def shape_of(sizes: dict[str, int]) -> ModelShape:
+    """ModelShape from sizing.weight_bytes (fp32 bytes; tied weights once, an untied head apart)."""
+    from laco_deploy.sizing import FP32
+
+    return ModelShape(sizes["total"] // FP32, (sizes["embed"] + sizes["head"]) // FP32, sizes["vocab"])
+
+
+def model_shape(spec: str, trust_remote_code: bool = False) -> ModelShape:
+    """The ModelShape of the model `spec` from its config alone (no weights read)."""
     from laco_deploy.models import check_source, local_model_dir
-    from laco_deploy.sizing import FP32, model_bytes
+    from laco_deploy.sizing import model_bytes
 
     check_source(spec, allow_pickle=True, trust_remote_code=trust_remote_code)  # reads no weights: pickles are fine
-    return model_bytes(local_model_dir(spec), trust_remote_code)["total"] // FP32
+    return shape_of(model_bytes(local_model_dir(spec), trust_remote_code))
 
 
 def without(values: dict[str, Any], keys: set[str]) -> dict[str, Any]:
@@ -205,10 +214,12 @@ def explain(rec: dict[str, Any], full: bool = False) -> list[str]:
     and the better configurations that did not fit; `full`: every candidate as a table."""
     c = rec["chosen"]
     better = [x for x in rec["candidates"] if not x["fits"] and x["ppl_ratio"] < c["ppl_ratio"]]
-    lines = [f"size budget      {rec['budget']} = {rec['budget_mib']:.1f} MiB for a model of {rec['model_params'] / 1e6:.1f} M "
-             f"parameters",
+    model = rec["model"]
+    lines = [f"size budget      {rec['budget']} = {rec['budget_mib']:.1f} MiB for a model of {model['params'] / 1e6:.1f} M "
+             f"parameters ({model['embed'] / model['params']:.0%} embedding, vocabulary {model['vocab']})",
              f"chosen           {c['describe']} ({c['label']}): estimated {c['est_mib']:.1f} MiB "
-             f"({c['bits_per_weight']:.2f} bits per weight x its parameters), perplexity {c['ppl_ratio']:.3f} x dense",
+             f"({c['bits_per_weight']:.2f} bits per weight; {c['layer_bits']:.2f} outside the embedding), "
+             f"perplexity {c['ppl_ratio']:.3f} x dense",
              f"why              {rec['rule']}; {rec['fitting']} of {len(rec['candidates'])} measured configurations fit",
              f"measured         on {rec['measured_on']}: {c['measured_mib']:.1f} MiB, perplexity {c['measured_ppl']} vs dense "
              f"{c['dense_ppl']} ({c['protocol']}; {c['source']})"]

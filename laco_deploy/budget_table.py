@@ -3,9 +3,15 @@
 
 Each row is one model (dense, or pruned + recovered) at one weight type, measured on the default
 model (SmolLM2-135M-Instruct): its file size and its runtime perplexity, with the dense model's
-perplexity of the same run, so that quality is a ratio to dense and size a number of bits per weight
-(file bytes x 8 / the model's parameters) that carry over to another model. tests/test_budget_table.py
-checks every number against RESULTS.md, so the table cannot drift from the measurements.
+perplexity of the same run, so that quality is a ratio to dense. Its size carries over to another
+model in three parts: the token embedding (and head) at the bits per weight its export type stores
+them with (EMBED_BITS), the rest (the decoder layers) at the bits per weight the row's file leaves for
+them on the default model (pruning shows there: fewer weights kept per dense weight), and the file's
+own metadata per vocabulary entry (the tokenizer), measured on the dense F16 / fp32 files. On the
+default model this gives back the measured file; on Gemma 3 270M (63% embedding) dense Q8_0 and
+Q4_K_M come out 1-2% above the real files, where one number of bits per weight for the whole model
+would be 17% below at Q4_K_M. tests/test_budget_table.py checks every number against RESULTS.md,
+so the table cannot drift from the measurements.
 
 Left out on purpose: pruned models without recovery (at every size a recovered or dense row beats
 them) and 2:4 + QA-LaCo (not measured).
@@ -20,9 +26,31 @@ from laco_deploy.config import FFN_LINEARS, IMATRIX_CALIB, PRUNABLE_LINEARS
 from laco_deploy.targets import TARGETS
 
 MEASURED_ON = "SmolLM2-135M-Instruct"
-# its parameters, the tied embedding counted once as in its files: embedding 49152 x 576, 30 layers of
-# attention (576 x 576 q/o, 576 x 192 k/v) + gated MLP (3 x 576 x 1536) + 2 norms, the final norm
-MEASURED_PARAMS = 49152 * 576 + 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576
+MEASURED_VOCAB = 49152
+MEASURED_EMBED = MEASURED_VOCAB * 576  # the tied embedding, stored once
+# its parameters: the embedding, 30 layers of attention (576 x 576 q/o, 576 x 192 k/v) + gated MLP
+# (3 x 576 x 1536) + 2 norms, the final norm
+MEASURED_PARAMS = MEASURED_EMBED + 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536 + 2 * 576) + 576
+MIB = 2**20
+# bits per weight of the token embedding (and head) by export type. GGUF k-quants: llama.cpp stores a
+# tied embedding as the output tensor, Q6_K (6.56), or Q8_0 (8.5) where its rows are not a multiple of
+# 256 (SmolLM2's 576, Gemma 3's 640): 8.5, an over-estimate for the others. ONNX int8 quantizes MatMul
+# weights only: the embedding's Gather table stays fp32.
+EMBED_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q6_k": 8.5, "q5_k_m": 8.5, "q4_k_m": 8.5,
+              "q3_k_m": 8.5, "q2_k": 8.5, "fp32": 32.0, "fp16": 16.0, "int8": 32.0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a file's size depends on: parameters (tied weights once), of them the token embedding and
+    an untied head, and the vocabulary (the tokenizer the file carries)."""
+
+    params: int
+    embed: int
+    vocab: int
+
+
+MEASURED_SHAPE = ModelShape(MEASURED_PARAMS, MEASURED_EMBED, MEASURED_VOCAB)
 
 
 @dataclass(frozen=True)
@@ -73,7 +101,7 @@ GRID: dict[str, dict[str, tuple[float, float]]] = {
     "wanda50+qa-q4_k_m": {"q4_k_m": (100.6, 27.80)},
 }
 IMATRIX = {"dense-imatrix": {"q4_k_m": (100.6, 19.29), "q3_k_m": (89.2, 20.90), "q2_k": (84.1, 22.78)}}
-QA = {"dense+qa-q3_k_m": {"q3_k_m": (93_510_784 / 2**20, 20.16)}, "dense+qa-q2_k": {"q2_k": (88_202_368 / 2**20, 22.17)}}
+QA = {"dense+qa-q3_k_m": {"q3_k_m": (93_510_784 / MIB, 20.16)}, "dense+qa-q2_k": {"q2_k": (88_202_368 / MIB, 22.17)}}
 
 
 @dataclass(frozen=True)
@@ -90,14 +118,31 @@ class Row:
         return self.ppl / SOURCES[self.source].dense_ppl
 
     @property
-    def bits_per_weight(self) -> float:
-        """File bits per parameter of the default model: what carries the size over to another model."""
-        return self.size_mib * 2**20 * 8 / MEASURED_PARAMS
+    def target(self) -> str:
+        return next(t.name for t in TARGETS.values() if self.quant in t.quant_types)
+
+    @property
+    def layer_bits(self) -> float:
+        """Bits per dense weight outside the embedding that the file spends on the default model."""
+        rest = self.size_mib * MIB - MEASURED_EMBED * EMBED_BITS[self.quant] / 8 - metadata_per_token(self.target) * MEASURED_VOCAB
+        return rest * 8 / (MEASURED_PARAMS - MEASURED_EMBED)
+
+    def file_bytes(self, shape: ModelShape) -> int:
+        """The row's file for a model of `shape` (on the default model: the measured file)."""
+        return int(shape.embed * EMBED_BITS[self.quant] / 8 + (shape.params - shape.embed) * self.layer_bits / 8
+                   + metadata_per_token(self.target) * shape.vocab)
 
 
 ROWS: tuple[Row, ...] = tuple(Row(label, quant, size, ppl, source)
                               for source, table in (("grid", GRID), ("imatrix", IMATRIX), ("qa", QA))
                               for label, cells in table.items() for quant, (size, ppl) in cells.items())
+
+
+def metadata_per_token(target: str) -> float:
+    """A file's bytes beyond its weights per vocabulary entry (mostly the tokenizer), from the dense
+    model's unquantized file of `target` (GGUF F16: 258.3 MiB for 2 bytes x 134.5 M weights)."""
+    quant, bits = {"gguf": ("f16", 16), "onnx": ("fp32", 32)}[target]
+    return (GRID["dense"][quant][0] * MIB - MEASURED_PARAMS * bits / 8) / MEASURED_VOCAB
 
 
 def _prune(family: str) -> dict[str, Any]:
@@ -119,6 +164,5 @@ def settings(row: Row) -> dict[str, dict[str, Any]]:
     family, _, recovery = row.label.partition("+")
     method = "none" if not recovery else "laco"
     quant_aware = recovery.removeprefix("qa-") if recovery.startswith("qa-") else None
-    target = next(t.name for t in TARGETS.values() if row.quant in t.quant_types)
     return {"prune": _prune(family), "compensate": {"method": method, "quant_aware": quant_aware},
-            "export": {"target": target, "quant": row.quant, "imatrix": IMATRIX_CALIB if family == "dense-imatrix" else None}}
+            "export": {"target": row.target, "quant": row.quant, "imatrix": IMATRIX_CALIB if family == "dense-imatrix" else None}}

@@ -11,13 +11,13 @@ import yaml
 
 from laco_deploy import budget
 from laco_deploy.budget import choose, explain, given_settings, parse_size
-from laco_deploy.budget_table import MEASURED_PARAMS, Row
+from laco_deploy.budget_table import MEASURED_SHAPE, ModelShape, Row
 from laco_deploy.config import FFN_LINEARS
 from laco_deploy.errors import ConfigError
 from laco_deploy.summary import size_digest, size_lines
 
 MIB = 2**20
-P = MEASURED_PARAMS  # the default model: estimates equal the measured files
+P = MEASURED_SHAPE  # the default model: estimates equal the measured files
 
 
 @pytest.mark.parametrize("text, size", [("90MiB", 90 * MIB), ("90M", 90 * MIB), ("90 mib", 90 * MIB), ("0.09GB", 90 * 10**6),
@@ -49,10 +49,11 @@ def test_choice_on_the_default_model(text, label, quant):
 
 def test_same_inputs_same_pick_and_sizes_scale_with_the_model():
     assert choose("90MiB", P).record() == choose("90MiB", P).record()
-    twice = choose("180MiB", 2 * P)  # bits per weight carry over: twice the parameters need twice the budget
+    double = ModelShape(2 * P.params, 2 * P.embed, 2 * P.vocab)
+    twice = choose("180MiB", double)  # each part scales: twice the model needs twice the budget
     assert twice.chosen.row == choose("90MiB", P).chosen.row
     with pytest.raises(ConfigError):  # the smallest row is 62.6 MiB on the default model, 125.2 MiB on twice its size
-        choose("90MiB", 2 * P)
+        choose("90MiB", double)
 
 
 def test_ties_go_to_the_smaller_file_then_the_table_order(monkeypatch):

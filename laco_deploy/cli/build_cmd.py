@@ -114,7 +114,7 @@ def _by_size(size: str, file_values: dict[str, Any], overrides: dict[str, Any]) 
     model_file = file_values.get("model") if isinstance(file_values.get("model"), dict) else {}
     model = overrides.get("model.model") or model_file.get("model") or ModelConfig().model
     remote = bool(overrides.get("model.trust_remote_code") or model_file.get("trust_remote_code"))
-    choice = budget.choose(size, budget.model_params(str(model), remote), given)
+    choice = budget.choose(size, budget.model_shape(str(model), remote), given)
     flags = {k for k, v in overrides.items() if v is not None} - set(given)
     file_values = layer(choice.settings, budget.without(file_values, set(given)), flags)
     return file_values, {k: (None if k in given else v) for k, v in overrides.items()}, choice.record()

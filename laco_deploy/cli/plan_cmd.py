@@ -47,9 +47,9 @@ def plan_command(
     """
     import torch
 
-    from laco_deploy.budget import choose, explain, parse_size
+    from laco_deploy.budget import choose, explain, parse_size, shape_of
     from laco_deploy.memplan import Workload, estimate_build
-    from laco_deploy.sizing import FP32, model_bytes
+    from laco_deploy.sizing import model_bytes
     from laco_deploy.models import check_source, local_model_dir
 
     if size is not None:
@@ -61,7 +61,7 @@ def plan_command(
     sizes = model_bytes(local_model_dir(model), trust_remote_code)
     job = Workload.of_build(cfg, torch.device("cuda" if device.startswith("cuda") else "cpu"), sizes)
     stages = estimate_build(sizes, job)
-    choice = choose(size, sizes["total"] // FP32).record() if size is not None else None
+    choice = choose(size, shape_of(sizes)).record() if size is not None else None
     if as_json:
         typer.echo(json.dumps({"model": model, "weights_bytes": sizes, "workload": job.__dict__,
                                "stages": [{"stage": e.stage, "host_bytes": e.host_bytes, "device_bytes": e.device_bytes,
