@@ -129,6 +129,10 @@ def test_cli_flags_narrow_and_keep_the_chosen_qa_type(tiny_llama_dir, tmp_path):
     cfg, _, rec = _settings(None, None, flags, "50MiB")
     assert rec["chosen"]["label"] == "dense+qa-q3_k_m" and rec["given"] == {"export.quant": "q3_k_m"}
     assert (cfg.compensate.quant_aware, cfg.export.quant, cfg.prune.sparsity, cfg.data.samples) == ("q3_k_m", "q3_k_m", 0.0, 6)
+    config = tmp_path / "q2.yaml"  # the same from a config file, whose other settings stay
+    config.write_text(yaml.safe_dump({"export": {"quant": "q2_k"}, "compensate": {"epochs": 3}}))
+    cfg, _, rec = _settings(config, None, {"model.model": str(tiny_llama_dir), "out": str(tmp_path / "b")}, "50MiB")
+    assert rec["chosen"]["label"] == "dense+qa-q2_k" and (cfg.compensate.quant_aware, cfg.compensate.epochs) == ("q2_k", 3)
 
 
 def test_cli_size_with_preset_or_nonsense_is_one_line_exit_2(cli, tiny_llama_dir, tmp_path):

@@ -46,6 +46,10 @@ EXAMPLES = {
          "(the default build measures about 0.52 nats, 64% and 1.5x)"),
         ("laco-deploy build --target onnx --pattern 2:4 --out build-24",
          "2:4 sparsity, exported to ONNX with KV cache"),
+        ("laco-deploy build --size 90MiB",
+         "the best measured configuration whose file fits 90 MiB for this model\n"
+         "(on the default one: QA-LaCo through Q3_K_M, 89.2 MiB); see it first\n"
+         "with laco-deploy plan --size 90MiB"),
         ("laco-deploy --quiet build --config build.yaml --json > summary.json",
          "settings from YAML; warnings on stderr, the summary as JSON on stdout"),
     ],
