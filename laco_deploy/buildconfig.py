@@ -139,15 +139,16 @@ def _quant_aware_default(cfg: BuildConfig, given: bool) -> BuildConfig:
     comp = cfg.compensate
     qa = TARGETS[cfg.export.target].quant_aware_default(cfg.export.resolved_quant)
     if cfg.export.imatrix is not None and (comp.quant_aware is not None or (qa is not None and not given)):
-        # QA-LaCo's fake quantizers are llama.cpp's reference ones; with an importance matrix llama.cpp
-        # searches other grids, so the exported weights would not be those LaCo trained through
+        # with an importance matrix llama.cpp searches other grids: QA-LaCo then trains through the weighted
+        # quantizer with the importance its export will use (compensate.quant_imatrix, kept in its output)
         if given:
-            log.warning("compensate.quant_aware %s trains through llama.cpp's unweighted quantizer, but export.imatrix "
-                        "quantizes with importance weighting: the exported grid differs from the trained one",
-                        comp.quant_aware)
+            if comp.quant_imatrix is None:
+                log.info("compensate.quant_aware %s trains through llama.cpp's importance-weighted quantizer "
+                         "(compensate.quant_imatrix %s), as export.imatrix quantizes", comp.quant_aware, IMATRIX_CALIB)
+                cfg = dataclasses.replace(cfg, compensate=dataclasses.replace(comp, quant_imatrix=IMATRIX_CALIB))
             return cfg
-        log.info("quantization-aware LaCo stays off: export.imatrix quantizes with importance weighting, which its "
-                 "fake quantizers do not model")
+        log.info("quantization-aware LaCo stays off: its default was measured without export.imatrix (set "
+                 "compensate.quant_aware to train through the importance-weighted quantizer)")
         return cfg
     if given or qa is None or comp.method != "laco" or comp.trainable != "weights" or cfg.prune.structured:
         return cfg

@@ -196,8 +196,9 @@ class CompensateConfig:
     # None: the optimizer's measured best, Adafactor 1e-3 (relative to each weight's RMS), AdamW 3e-4
     final_kl_lr: float | None = None
     # train through the weights as this export type will store them (fake quantization, straight-through
-    # gradient); None: plain float weights
+    # gradient; None: plain float weights), with llama.cpp's importance-weighted quantizer where quant_imatrix
     quant_aware: str | None = None
+    quant_imatrix: str | None = None  # IMATRIX_CALIB (on the walk's samples) or an imatrix file; None: unweighted
     # auto: bf16 autocast on CUDA (fp16 without bf16) and on CPUs with native bf16 matmul (AMX /
     # AVX512-BF16); else fp32. Default build's LaCo: same perplexity to 0.3% per domain (RESULTS.md)
     precision: str = "auto"
@@ -280,11 +281,10 @@ class CompensateConfig:
             errs.append(f"compensate.quant_aware {self.quant_aware!r} is not one of {', '.join(QUANT_AWARE)}")
         if self.precision not in PRECISIONS:
             errs.append(f"compensate.precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.quant_aware is not None and self.method != "laco":
-            errs.append(f"compensate.quant_aware applies to compensate.method laco, not {self.method!r}")
-        if self.quant_aware is not None and self.trainable != "weights":
-            errs.append(f"compensate.quant_aware trains the weights the exporter quantizes; it needs compensate.trainable weights, "
-                        f"not {self.trainable!r}")
+        if self.quant_aware is not None and (self.method != "laco" or self.trainable != "weights"):
+            errs.append(f"compensate.quant_aware needs compensate.method laco and compensate.trainable weights, not {self.method!r} and {self.trainable!r}")
+        if self.quant_imatrix is not None and self.quant_aware in (None, "int8"):
+            errs.append(f"compensate.quant_imatrix weights llama.cpp's quantizer: set compensate.quant_aware to a GGUF type, not {self.quant_aware!r}")
         return errs
 
 

@@ -13,6 +13,7 @@ embeddings have no input to weigh (a row lookup).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy.config import PRUNABLE_LINEARS, DataConfig
+from laco_deploy.config import IMATRIX_CALIB, PRUNABLE_LINEARS, DataConfig
 from laco_deploy.engine import Lane, WalkOptions, capture_inputs, walk_layers
 from laco_deploy.errors import ConfigError
 from laco_deploy.models import linear_modules, load_model
@@ -86,3 +87,34 @@ def compute(model_dir: Path, data_cfg: DataConfig, out: Path, *, device: torch.d
     return ImatrixResult(str(out), len(named), data_cfg.samples, data_cfg.seqlen, data_cfg.calib,
                          round(time.perf_counter() - t0, 2))
 
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)\.weight$")  # model.layers.3.self_attn.q_proj.weight
+TRAINED_FILE = "imatrix.gguf"  # in a QA-LaCo output folder: the importance matrix its quantizer was weighted by
+
+
+def linear_importance(path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+    """The importance matrix in `path` as llama.cpp's quantizer receives it (exporters.gguf_imatrix.read),
+    per decoder linear of the model in `model_dir`: {"<layer>.<module>" e.g. "3.self_attn.q_proj": [in] float32}
+    (the keys compensate.fakequant takes). Weights the file has no data for are left out (quantized unweighted)."""
+    from exporters import gguf_imatrix, gguf_model
+
+    values = gguf_imatrix.read(Path(path)).values
+    plan = gguf_model.plan_model(gguf_model.read_config(Path(model_dir)))
+    out = {}
+    for entry in gguf_model.tensor_entries(Path(model_dir), plan):
+        found = _LAYER_KEY.search(entry.key)
+        if found and entry.name in values:
+            out[f"{found[1]}.{found[2]}"] = torch.from_numpy(values[entry.name].copy())
+    if not out:
+        raise ConfigError(f"importance matrix {path} names none of {model_dir}'s decoder weights (e.g. "
+                          f"{next(iter(values))}); compute it on this model with `laco-deploy imatrix` or set "
+                          f"compensate.quant_imatrix to {IMATRIX_CALIB}")
+    return out
+
+
+def trained_with(model_dir: Path) -> Path | None:
+    """The importance matrix QA-LaCo trained `model_dir`'s weights through (compensate.quant_imatrix), whose
+    grid an export with an importance matrix must reproduce; None where it trained through none."""
+    path = Path(model_dir) / TRAINED_FILE
+    return path if path.is_file() else None

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 from laco_deploy.checked import Checked
-from laco_deploy.config import BuildConfig, to_dict
+from laco_deploy.config import BuildConfig, DataConfig, to_dict
+from laco_deploy.fsutil import atomic_path
 from laco_deploy.stagecache import Output, StageCache
 from laco_deploy.targets import TARGETS
 
@@ -152,17 +154,27 @@ class BuildRecipe:
             outputs.update({f"imatrix-{label}": lay.imatrix(label) for label in sources})
 
         def run() -> dict:
-            from laco_deploy.imatrix import compute
-
             results = {}
             for label, model_dir in sources.items():
                 sparse = cfg.export.sparse_storage and label != "dense"
-                imatrix = compute(model_dir, cfg.data, lay.imatrix(label), device=self.device).path if weighted else None
+                imatrix = self._imatrix(model_dir, lay.imatrix(label), cfg.data) if weighted else None
                 results[label] = target.export(model_dir, outputs[label], lay.quant, sparse_storage=sparse,
                                                imatrix=imatrix).to_dict()
             return results
 
         return self.cache.run("export", settings, inputs, outputs, run, main_only=True).outputs
+
+    def _imatrix(self, model_dir: Path, out: Path, data: DataConfig) -> str:
+        """The importance matrix `model_dir` is exported with: the one QA-LaCo trained it through
+        (compensate.quant_imatrix: the export then reproduces that grid), else its own on the calibration samples."""
+        from laco_deploy.imatrix import compute, trained_with
+
+        trained = trained_with(Path(model_dir))
+        if trained is None:
+            return compute(model_dir, data, out, device=self.device).path
+        with atomic_path(out) as tmp:
+            shutil.copyfile(trained, tmp)
+        return str(out)
 
     def fidelity(self, src: dict[str, Output], pruned: Output, recovered: Output, exported: dict[str, Output]) -> bool:
         """Fidelity reports for the pruned, recovered and exported models; -> whether every gate passed."""

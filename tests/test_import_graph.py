@@ -183,7 +183,10 @@ def test_no_upward_import():
 
 
 # Imports between the stage packages: imatrix gathers pruning's input statistic (Wanda's), nothing else.
-STAGES_MAY_SHARE = {(D + "imatrix", D + "prune"), (D + "imatrix", D + "prune.stats")}
+# imatrix: llama-imatrix's statistic is Wanda's (prune.stats); QA-LaCo through the importance-weighted
+# quantizer computes the importance matrix its export then uses (compensate.quant_imatrix)
+STAGES_MAY_SHARE = {(D + "imatrix", D + "prune"), (D + "imatrix", D + "prune.stats"),
+                    (D + "compensate.stage", D + "imatrix")}
 
 
 def _stage_package(mod: str) -> str:

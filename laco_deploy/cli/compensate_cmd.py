@@ -22,7 +22,7 @@ from laco_deploy.cli.common import (
     model_config,
     section_from_flags,
 )
-from laco_deploy.config import LOSSES, CompensateConfig, DataConfig, ModelConfig
+from laco_deploy.config import IMATRIX_CALIB, LOSSES, CompensateConfig, DataConfig, ModelConfig
 from laco_deploy.fsutil import check_output
 
 _C, _D = CompensateConfig(), DataConfig()
@@ -69,6 +69,7 @@ def compensate_command(
     anchor_decay: Annotated[float, typer.Option("--anchor-decay", help="LaCo: after each step pull the weights back towards the pruned ones by lr * this * (w - w_pruned); limits drift from what pruning left, a regularizer for text unlike the calibration data (0: off).")] = _C.anchor_decay,
     dense_input_mix: Annotated[float, typer.Option("--dense-input-mix", help="LaCo: share of training samples fed the dense model's input to the layer instead of the compensated sparse path's (both have the same dense target); more varied inputs per layer (0: off).")] = _C.dense_input_mix,
     quant_aware: Annotated[Optional[str], typer.Option("--quant-aware", help="LaCo: train through the weights as this export type will store them (fake quantization with a straight-through gradient), so LaCo repairs the quantization error too: q8_0, q6_k, q5_k_m, q5_k_s, q4_k_m, q3_k_m, q3_k_s, q2_k (GGUF, llama.cpp's per-tensor types), q4_k (Q4_K blocks everywhere) or int8 (ONNX). Default: off.")] = None,
+    quant_imatrix: Annotated[Optional[str], typer.Option("--quant-imatrix", help=f"With --quant-aware (a GGUF type): train through llama.cpp's importance-weighted quantizer, the one `export --imatrix` runs, starting from its grid. '{IMATRIX_CALIB}': the pruned model's importance matrix on the walk's calibration samples (as llama-imatrix computes it); or an importance-matrix file (`laco-deploy imatrix`, llama-imatrix). Kept in --out as imatrix.gguf, which `export --imatrix` then uses, so the export reproduces the grid trained through. Default: the unweighted quantizer (export without --imatrix).")] = None,
     precision: Annotated[str, typer.Option("--precision", help="Compute precision of training (and of LaCo's layer calls): auto = bf16 autocast on CUDA (fp16 where bf16 is unsupported) and on CPUs with native bf16 matmul (AMX, AVX512-BF16), fp32 elsewhere; or fp32, bf16, fp16. Weights, optimizer state and activations stay fp32.")] = _C.precision,
     final_kl_epochs: Annotated[int, typer.Option("--final-kl-epochs", help="LaCo: after the layer walk, passes of the whole model over fresh calibration samples (--final-kl-samples) with KL to the dense model's logits (the teacher: the dense twin's last hidden states, its layers streamed one at a time); the model runs one layer at a time, so the pass needs about one layer's training state more than the walk, also streamed from disk (--offload disk); on CPU it costs about the walk's time again per pass; skipped, with a message, only when the memory is short (0: off).")] = _C.final_kl_epochs,
     final_kl_lr: Annotated[Optional[float], typer.Option("--final-kl-lr", help="LaCo: learning rate of the final KL pass (cosine schedule). Default: the optimizer's measured best on the default model, Adafactor 1e-3 (relative to each weight's RMS; 2e-3 raised the held-out KL there) or AdamW 3e-4 (absolute).")] = None,

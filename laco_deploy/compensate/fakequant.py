@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from laco_deploy.compensate.kquants import (QK_K, fp16_round, q4_k, q4_k_apply, q4_k_grid, q5_k, q5_k_apply, q5_k_grid,
                                             q6_k, q6_k_apply, q6_k_grid)
 from laco_deploy.compensate.kquants_low import q2_k, q2_k_apply, q2_k_grid, q3_k, q3_k_apply, q3_k_grid
+from laco_deploy.compensate.kquants_weighted import GRIDS as WEIGHTED_GRIDS
 from laco_deploy.config import QUANT_AWARE
 from laco_deploy.models import linear_modules
 
@@ -194,6 +195,10 @@ _GRIDS = {"q2_k": (q2_k_grid, q2_k_apply), "q3_k": (q3_k_grid, q3_k_apply), "q4_
 GRID_REUSE = 8  # training steps that round onto the last k-quant grid before it is searched again
 
 
+def _weighted(grid: Callable, importance: torch.Tensor, weight: torch.Tensor):
+    return grid(weight, importance)
+
+
 class _ActiveLayer:
     """Only the layer that runs keeps its quantized weights: entering another layer frees those of
     the previous one (LaCo visits layers in order; a copy per layer would add a model's worth of RAM)."""
@@ -218,8 +223,10 @@ class _Quantizer:
     exporter's rounding. Block-absmax schemes are exact in every step.
     """
 
-    def __init__(self, scheme: str, layer: int, active: "_ActiveLayer"):
+    def __init__(self, scheme: str, layer: int, active: "_ActiveLayer", importance: torch.Tensor | None = None):
         self.scheme, self.layer, self.active = scheme, layer, active
+        # an importance per input column [in]: llama.cpp's weighted search (export with that imatrix)
+        self.importance = importance if importance is not None and scheme in WEIGHTED_GRIDS else None
         self.clear()
 
     def clear(self) -> None:
@@ -230,9 +237,13 @@ class _Quantizer:
         self._grid_uses = 0
 
     def _quantize(self, weight: torch.Tensor, exact: bool) -> torch.Tensor:
-        if self.scheme not in _GRIDS:
+        if self.importance is not None:
+            grid, apply = WEIGHTED_GRIDS[self.scheme]
+            search = functools.partial(_weighted, grid, self.importance.to(weight.device))
+        elif self.scheme in _GRIDS:
+            search, apply = _GRIDS[self.scheme]
+        else:
             return SCHEMES[self.scheme](weight)
-        search, apply = _GRIDS[self.scheme]
         if exact or self._grid is None or self._grid_uses >= GRID_REUSE:
             self._grid, self._grid_uses = search(weight), 0
         self._grid_uses += 1
@@ -257,10 +268,14 @@ def _fake_forward(lin: torch.nn.Linear, quantizer: _Quantizer, x: torch.Tensor) 
 
 
 @contextlib.contextmanager
-def fake_quantized(layers: list[torch.nn.Module], quant_aware: str | None,
-                   targets: tuple[str, ...]) -> Iterator[dict[str, str]]:
+def fake_quantized(layers: list[torch.nn.Module], quant_aware: str | None, targets: tuple[str, ...],
+                   importance: dict[str, torch.Tensor] | None = None) -> Iterator[dict[str, str]]:
     """Make the target linears of all decoder `layers` of a model (in order: the scheme can depend
     on the layer index) compute with fake-quantized weights; restore them on exit.
+
+    `importance`: {"<layer>.<module>": [in] mean squared input} (an importance matrix, as
+    imatrix.linear_importance reads it): those linears quantize as llama.cpp does with it
+    (kquants_weighted.py; Q8_0 and F16 take none), the others unweighted.
 
     Yields {"<layer>.<module>": scheme}. `quant_aware` None: does nothing. The linears keep their
     Parameter objects (optimizers, masks and checkpoints see plain weights); only their forward
@@ -279,13 +294,15 @@ def fake_quantized(layers: list[torch.nn.Module], quant_aware: str | None,
         for index, layer in enumerate(layers):
             for name, lin in linear_modules(layer, targets).items():
                 scheme = tensor_scheme(quant_aware, name, index, len(layers), lin.in_features, gqa=gqa)
-                quantizer = _Quantizer(scheme, index, active)
+                quantizer = _Quantizer(scheme, index, active, (importance or {}).get(f"{index}.{name}"))
                 active.members.setdefault(index, []).append(quantizer)
                 lin.forward = functools.partial(_fake_forward, lin, quantizer)
                 installed.append(lin)
                 schemes[f"{index}.{name}"] = scheme
-        log.info("quant-aware %s: linears compute with fake-quantized weights (%s)", quant_aware,
-                 ", ".join(f"{n} {s}" for s, n in sorted(Counter(schemes.values()).items())))
+        weighted = sum(q.importance is not None for qs in active.members.values() for q in qs)
+        log.info("quant-aware %s: linears compute with fake-quantized weights (%s)%s", quant_aware,
+                 ", ".join(f"{n} {s}" for s, n in sorted(Counter(schemes.values()).items())),
+                 f", {weighted} of them importance-weighted" if importance else "")
         yield schemes
     finally:
         for lin in installed:

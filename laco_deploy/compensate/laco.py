@@ -152,13 +152,15 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
                device: torch.device, seed: int, checkpoint_dir, fingerprint: dict, resume: bool,
                meter: SegmentMeter, layer_loader: LayerLoader | None = None,
                dense_loader: LayerLoader | None = None, kl_samples: int = 0,
-               guard: ModelGuard | None = None) -> tuple[list[dict], dict | None]:
+               guard: ModelGuard | None = None,
+               importance: dict[str, torch.Tensor] | None = None) -> tuple[list[dict], dict | None]:
     """Run LaCo over all layers of `sparse_model` in place, then the final KL pass. input_ids [n, seq]:
     the walk trains on the first n - kl_samples, the pass on the last kl_samples (their dense teacher
     is walked after the walk, on the dense path only). Returns (per-layer records, the final pass's
     record or None). `layer_loader` / `dense_loader` stream the layers of a model kept on disk (engine.lazy).
     `guard`: compares the result with the pruned model on held-out samples at the end (guard.py);
-    its record is `guard.record` (None where it could not run: a streamed model)."""
+    its record is `guard.record` (None where it could not run: a streamed model). `importance`: per decoder
+    linear, the importance matrix compensate.quant_aware's quantizer is weighted by (fakequant.fake_quantized)."""
     for m in (dense_model, sparse_model):
         m.requires_grad_(False)
     cfg = _settled(cfg, sparse_model, input_ids, kl_samples, device)
@@ -188,7 +190,7 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
     # --quant-aware: every layer computes with the weights as exported, while it trains and when its
     # outputs become the next layer's inputs (also when a resumed run re-propagates finished layers)
     # the guard too: QA-LaCo trades float error for quantized error, so both models are judged as exported
-    with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets):
+    with fake_quantized(decoder_layers(sparse_model), cfg.quant_aware, targets, importance):
         if guard is not None:
             guard.capture(sparse_model, held.ids, held.rows, device, cfg.batch_size)
         records = walk_layers(Lane(sparse_model, inputs, layer_loader), step,

@@ -23,6 +23,9 @@ def config_summary(info: dict[str, Any], cfg: CompensateConfig, budget, sparsity
         out.update({"loss": cfg.loss, "lr": cfg.lr, "train_norms": cfg.train_norms, "trainable": cfg.trainable})
         if cfg.trainable == "lowrank":
             out["correction_rank"] = cfg.correction_rank
+        if cfg.quant_aware is not None:  # the grid the weights were trained through (imatrix.TRAINED_FILE: its weighting)
+            out["quant_aware"] = cfg.quant_aware
+            out["quant_imatrix"] = cfg.quant_imatrix
     else:
         out.update({"loss": "lm", "lora_rank": cfg.lora_rank, "lora_lr": cfg.lora_lr, "merge": "under mask"})
     return out

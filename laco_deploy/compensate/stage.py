@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from laco_deploy import data as data_mod
-from laco_deploy import devices, distributed, families, sizing
+from laco_deploy import devices, distributed, families, imatrix, sizing
 from laco_deploy.artifacts import SPARSITY_FILE, ModelDirResult, checkpoint_dir
 from laco_deploy.checked import Checked, check
 from laco_deploy.compensate import laco, lora, steps, streamed
@@ -26,9 +26,9 @@ from laco_deploy.compensate.guard import ModelGuard, restore_layers_from
 from laco_deploy.compensate.masks import dense_numel
 from laco_deploy.compensate.record import config_summary, result_record, sparsity_document
 from laco_deploy.compensate.train import amp_dtype, resolve_precision
-from laco_deploy.config import PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
+from laco_deploy.config import IMATRIX_CALIB, PRUNABLE_LINEARS, CompensateConfig, DataConfig, ModelConfig, to_dict
 from laco_deploy.errors import ConfigError, ModelError
-from laco_deploy.fsutil import atomic_dir, reuse_key, sha256_tree
+from laco_deploy.fsutil import atomic_dir, atomic_path, mark_folder, reuse_key, sha256_tree
 from laco_deploy.models import check_source, source_fingerprint
 from laco_deploy.throughput import matmul_gflops
 
@@ -116,6 +116,33 @@ def _plan(comp_cfg: CompensateConfig, data_cfg: DataConfig, device: torch.device
     return comp_cfg, budget, step_plan
 
 
+def _importance(comp_cfg: CompensateConfig, data_cfg: DataConfig, budget: Budget, sparse_dir: Path, ckpt: Path,
+                device: torch.device) -> tuple[dict[str, torch.Tensor] | None, Path | None]:
+    """compensate.quant_imatrix -> (per decoder linear, the importance the fake quantizer is weighted by;
+    the file holding it), or (None, None). IMATRIX_CALIB: llama-imatrix's statistic on the pruned model
+    over the walk's samples (the first `budget.samples` of the calibration draw)."""
+    if comp_cfg.quant_imatrix is None:
+        return None, None
+    if comp_cfg.quant_imatrix == IMATRIX_CALIB:
+        cfg = dataclasses.replace(data_cfg, samples=budget.samples, seqlen=budget.seqlen)
+        path = Path(imatrix.compute(sparse_dir, cfg, mark_folder(ckpt) / imatrix.TRAINED_FILE, device=device).path)
+    else:
+        path = Path(comp_cfg.quant_imatrix)
+    importance = imatrix.linear_importance(path, sparse_dir)
+    log.info("quant-aware %s through llama.cpp's importance-weighted quantizer: %d linears weighted by %s",
+             comp_cfg.quant_aware, len(importance), path)
+    return importance, path
+
+
+def _save(models, out_dir: Path, doc: dict, imatrix_file: Path | None) -> None:
+    """The recovered model, and the importance matrix QA-LaCo trained through, which an export with an
+    importance matrix takes (imatrix.trained_with) so that it reproduces the grid."""
+    streamed.save(models, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+    if imatrix_file is not None:
+        with atomic_path(out_dir / imatrix.TRAINED_FILE) as tmp:
+            shutil.copyfile(imatrix_file, tmp)
+
+
 def run(model_cfg: ModelConfig, data_cfg: DataConfig, comp_cfg: CompensateConfig, sparse_dir: Path, out_dir: Path, *,
         resume: bool = False, device: torch.device | None = None) -> ModelDirResult:
     """Compensate the pruned model in `sparse_dir` towards the dense `model_cfg.model`; write `out_dir`;
@@ -140,6 +167,7 @@ def run_checked(c: Checked, sparse_dir: Path, out_dir: Path, *, resume: bool = F
     comp_cfg, budget, step_plan = _plan(comp_cfg, data_cfg, device, sparse_dir)
     log.debug("compensate settings: %s; device %s", to_dict(comp_cfg), device)
     ckpt = checkpoint_dir(out_dir)
+    importance, imatrix_file = _importance(comp_cfg, data_cfg, budget, sparse_dir, ckpt, device)
     run_cfg = streamed.resolve_offload(comp_cfg, sparse_dir, budget.samples * budget.seqlen)
     models = streamed.open_models(model_cfg, sparse_dir, run_cfg, distributed.rank_dir(ckpt / "spill"))
     check_compatible(models.dense.config, models.sparse.config, model_cfg.model, sparse_dir)
@@ -163,7 +191,7 @@ def run_checked(c: Checked, sparse_dir: Path, out_dir: Path, *, resume: bool = F
         records, final_kl = laco.compensate(models.dense, models.sparse, ids, run_cfg, targets, device=device, seed=data_cfg.seed,
                                   checkpoint_dir=ckpt, fingerprint=fp, resume=resume, meter=meter,
                                   layer_loader=models.sparse_lazy, dense_loader=models.dense_lazy,
-                                  kl_samples=budget.kl_samples, guard=guard)
+                                  kl_samples=budget.kl_samples, guard=guard, importance=importance)
         model, summary, model_guard = models.sparse, None, guard.record
     else:
         if resume:
@@ -177,7 +205,7 @@ def run_checked(c: Checked, sparse_dir: Path, out_dir: Path, *, resume: bool = F
     model.config.laco_deploy = config_summary(info, comp_cfg, budget, after["sparsity"])
     doc = sparsity_document(sparse_dir / SPARSITY_FILE, before, after, comp_cfg)
     if distributed.is_main():  # every rank holds the same weights; rank 0 writes them
-        streamed.save(models, out_dir, extra_files={SPARSITY_FILE: json.dumps(doc, indent=2) + "\n"})
+        _save(models, out_dir, doc, imatrix_file)
     distributed.barrier()  # the other ranks' scratch files live in the checkpoint folder
     if distributed.is_main():
         shutil.rmtree(ckpt, ignore_errors=True)

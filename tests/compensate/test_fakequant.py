@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_laco import DATA, _cfg, _Killed, _weights
+from test_laco import DATA, _cfg, _weights, killed_then_resumed
 
 import tiny
-from laco_deploy.compensate import fakequant, laco, losses, run
+from laco_deploy.compensate import fakequant, losses, run
 from laco_deploy.config import PRUNABLE_LINEARS, ModelConfig
 from laco_deploy.data import calibration_samples
 from laco_deploy.models import decoder_layers, load_model
@@ -289,16 +289,18 @@ def test_the_model_guard_judges_qa_laco_as_exported(kquant_sparse_dir, tmp_path,
     assert res.settings["model_guard"]["samples"] > 0
 
 
-def _layer0_error(dense_dir: Path, cand_dir: Path, quant_aware: str | None, ids: torch.Tensor) -> float:
+def _layer0_error(dense_dir: Path, cand_dir: Path, quant_aware: str | None, ids: torch.Tensor,
+                  importance: dict | None = None) -> float:
     """nmse of decoder layer 0's output (both models see the same embeddings) against the dense
-    layer's, with the candidate's linears fake-quantized as `quant_aware`."""
+    layer's, with the candidate's linears fake-quantized as `quant_aware` (weighted by `importance`)."""
     outs = []
     for path, qa in ((dense_dir, None), (cand_dir, quant_aware)):
         model = load_model(str(path)).model
         caught: list[torch.Tensor] = []
         handle = decoder_layers(model)[0].register_forward_hook(
             lambda _m, _a, out: caught.append(out[0] if isinstance(out, tuple) else out))
-        with torch.no_grad(), fakequant.fake_quantized(decoder_layers(model), qa, PRUNABLE_LINEARS):
+        with torch.no_grad(), fakequant.fake_quantized(decoder_layers(model), qa, PRUNABLE_LINEARS,
+                                                       importance if qa else None):
             model(ids)
         handle.remove()
         outs.append(caught[0])
@@ -322,20 +324,7 @@ def test_qa_laco_lowers_the_quantized_layer_error_more_than_plain_laco(kquant_sp
 
 def test_qa_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
     mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=2, quant_aware="q4_k_m")
-    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "full")
-    real_fit = laco.LayerTrainer.fit
-
-    def fit_then_die(self, *a, **kw):
-        if self.seed == DATA.seed + 1:  # layer 1: layer 0 is already checkpointed
-            raise _Killed("simulated kill")
-        return real_fit(self, *a, **kw)
-
-    monkeypatch.setattr(laco.LayerTrainer, "fit", fit_then_die)
-    with pytest.raises(_Killed):
-        run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed")
-    monkeypatch.setattr(laco.LayerTrainer, "fit", real_fit)
-    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed", resume=True)
-    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
+    full, resumed, _ = killed_then_resumed(mcfg, ccfg, sparse_unstructured_dir, tmp_path, monkeypatch)
     assert full.keys() == resumed.keys()
     for k in full:
         assert torch.equal(full[k], resumed[k]), k

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,10 +103,10 @@ class _Killed(RuntimeError):
     pass
 
 
-def test_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
-    mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=2)
-    run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "full")
-
+def killed_then_resumed(mcfg, ccfg, sparse: Path, tmp_path: Path, monkeypatch, after_kill=None) -> tuple[dict, dict, Any]:
+    """Weights of an uninterrupted run and of one killed in layer 1 (`after_kill()` then runs), then
+    resumed. -> (full weights, resumed weights, the resumed run's result)"""
+    run(mcfg, DATA, ccfg, sparse, tmp_path / "full")
     real_fit = laco.LayerTrainer.fit
 
     def fit_then_die(self, *a, **kw):
@@ -115,12 +116,21 @@ def test_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tm
 
     monkeypatch.setattr(laco.LayerTrainer, "fit", fit_then_die)
     with pytest.raises(_Killed):
-        run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed")
-    assert (tmp_path / "resumed.ckpt" / "layer_000.safetensors").is_file()
-    assert not (tmp_path / "resumed").exists()
+        run(mcfg, DATA, ccfg, sparse, tmp_path / "resumed")
+    if after_kill is not None:
+        after_kill()
     monkeypatch.setattr(laco.LayerTrainer, "fit", real_fit)
-    res = run(mcfg, DATA, ccfg, sparse_unstructured_dir, tmp_path / "resumed", resume=True)
-    full, resumed = _weights(tmp_path / "full"), _weights(tmp_path / "resumed")
+    res = run(mcfg, DATA, ccfg, sparse, tmp_path / "resumed", resume=True)
+    return _weights(tmp_path / "full"), _weights(tmp_path / "resumed"), res
+
+
+def test_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir, tmp_path, monkeypatch):
+    def killed():
+        assert (tmp_path / "resumed.ckpt" / "layer_000.safetensors").is_file()
+        assert not (tmp_path / "resumed").exists()
+
+    mcfg, ccfg = ModelConfig(model=str(tiny_llama_dir)), _cfg(epochs=2)
+    full, resumed, res = killed_then_resumed(mcfg, ccfg, sparse_unstructured_dir, tmp_path, monkeypatch, killed)
     assert full.keys() == resumed.keys()
     for k in full:
         assert torch.equal(full[k], resumed[k]), k
