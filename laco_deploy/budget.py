@@ -126,16 +126,19 @@ def given_settings(file_values: dict[str, Any], overrides: dict[str, Any]) -> di
 
 
 def _pattern(prune: dict[str, Any]) -> tuple:
-    """One pruning pattern from prune settings (PruneConfig's defaults where unset)."""
+    """One pruning pattern from prune settings (PruneConfig's defaults where unset; a value of the wrong
+    type, e.g. from a YAML file, stays as it is and matches no row)."""
     base = PruneConfig()
     get = lambda k: prune.get(k, getattr(base, k))  # noqa: E731
+    num = lambda v: round(float(v), 6) if isinstance(v, (int, float)) and not isinstance(v, bool) else v  # noqa: E731
     targets = get("targets")
-    targets = tuple(t.strip() for t in targets.split(",")) if isinstance(targets, str) else tuple(targets)
+    targets = tuple(t.strip() for t in targets.split(",")) if isinstance(targets, str) else \
+        tuple(targets) if isinstance(targets, (list, tuple)) else targets
     if get("structured") is not None:
-        return "structured", round(float(get("structured")), 6), targets
+        return "structured", num(get("structured")), targets
     if get("pattern") is not None:
-        return "pattern", str(get("pattern")), targets
-    return "unstructured", round(float(get("sparsity")), 6), targets
+        return "pattern", get("pattern"), targets
+    return "unstructured", num(get("sparsity")), targets
 
 
 def _norm(key: str, value: Any) -> Any:

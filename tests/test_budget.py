@@ -86,6 +86,9 @@ def test_given_settings_narrow_the_choice():
     with pytest.raises(ConfigError) as e:
         choose("90MiB", P, {"compensate.method": "lora"})
     assert "compensate.method 'lora'" in str(e.value) and "laco, none" in str(e.value)
+    for wrong in ({"prune.structured": "abc"}, {"prune.targets": 5}, {"prune.sparsity": True}):  # YAML of the wrong type
+        with pytest.raises(ConfigError, match="no measured configuration has"):
+            choose("90MiB", P, wrong)
 
 
 def test_given_settings_come_from_the_file_and_the_flags():
