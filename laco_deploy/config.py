@@ -298,7 +298,7 @@ class FidelityConfig:
     # zero-shot accuracy through lm-evaluation-harness (fidelity/zeroshot.py): task names or task .yaml files
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
-    task_batch_size: int = 4  # sequences per harness forward: its [batch, seq, vocab] logits are the stage's peak (16: +680 MiB)
+    task_batch_size: int | None = None  # sequences per harness forward (its logits: the stage's peak); None: sizing.zeroshot_batch's
     # dense PyTorch vs runtime perplexity, same windows: allowed disagreement (q8_0 ~1%; a missing BOS: 4x on Gemma 3)
     runtime_ppl_tolerance: float = 0.10
 
@@ -320,7 +320,7 @@ class FidelityConfig:
             errs.append(f"fidelity.tasks {self.tasks!r} must be a list of task names or task .yaml files")
         if self.task_limit is not None and self.task_limit < 1:
             errs.append(f"fidelity.task_limit {self.task_limit} must be at least 1 (or left out for every document)")
-        if self.task_batch_size < 1:
+        if self.task_batch_size is not None and self.task_batch_size < 1:
             errs.append(f"fidelity.task_batch_size {self.task_batch_size} must be at least 1")
         if not self.runtime_ppl_tolerance > 0:
             errs.append(f"fidelity.runtime_ppl_tolerance {self.runtime_ppl_tolerance} must be above 0 (e.g. 0.1 for 10%)")

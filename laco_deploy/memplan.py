@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from laco_deploy.config import CompensateConfig
 from laco_deploy.divergence import ROW_CHUNK
 from laco_deploy.engine.forward import HEAD_BLOCK_BYTES
-from laco_deploy.sizing import (FP32, MIB, activation_cache_bytes, final_kl_terms, largest_rest, layer_batch_bytes,
-                                layer_step_terms)
+from laco_deploy.runtimes.llamacpp import LOGIT_BLOCK_BYTES
+from laco_deploy.sizing import (FP32, MIB, ZEROSHOT_TOKENS, activation_cache_bytes, embedding_rows_bytes, final_kl_terms,
+                                largest_rest, layer_batch_bytes, layer_step_terms, zeroshot_batch)
 
 # A stage's process without the model: Python, torch, transformers, the tokenizer and calibration
 # text, llama.cpp's library where it loads, report rendering. Measured as the peak RSS of each stage
@@ -27,9 +28,6 @@ from laco_deploy.sizing import (FP32, MIB, activation_cache_bytes, final_kl_term
 PROCESS_BYTES = {"prune": 460 * MIB, "compensate": 455 * MIB, "export": 575 * MIB, "fidelity": 655 * MIB}
 LLAMA_CPP_BYTES = 40 * MIB  # llama.cpp's buffers besides the weights and the logits
 Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 tensor (32 int8 + an fp16 scale)
-# zero-shot (lm-eval): tokens of a batch's longest request; laco_lastword_quick on the default model grew
-# the process by 797 MiB at batch 4 and 1,479 at 16 (the fp32 model + logits and their log-softmax)
-ZEROSHOT_TOKENS = 192
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,8 @@ class Workload:
     compensate_final_kl_batch: int | None = None  # that pass's samples per step (None: compensate_batch)
     compensate_kl_samples: int = 0  # its samples (fresh ones, after the walk's)
     compensate_kl_optimizer: str = CompensateConfig.final_kl_optimizer
-    zeroshot_batch: int = 0  # fidelity: sequences per harness call when zero-shot tasks run (0: none)
+    zeroshot: bool = False  # fidelity runs zero-shot tasks
+    zeroshot_batch: int | None = None  # their sequences per harness call (None: sizing.zeroshot_batch's choice)
 
     @classmethod
     def of_build(cls, cfg, device, w: dict[str, int] | None = None) -> Workload:
@@ -74,7 +73,7 @@ class Workload:
                    compensate_dense_twin=cfg.compensate.needs_dense_layer,
                    compensate_final_kl=budget.kl_samples > 0, compensate_final_kl_batch=step.final_kl_batch_size,
                    compensate_kl_samples=budget.kl_samples, compensate_kl_optimizer=cfg.compensate.final_kl_optimizer,
-                   zeroshot_batch=cfg.fidelity.task_batch_size if cfg.fidelity.tasks else 0)
+                   zeroshot=bool(cfg.fidelity.tasks), zeroshot_batch=cfg.fidelity.task_batch_size)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,8 @@ def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
         return _stage("prune", {"layers": {**process, "weights": w["total"], "activations": cache, **work}},
                       {"layer": w["layer_max"], **work})
     # streamed: the embedding only while the samples are embedded, one layer at a time, then the save
-    return _stage("prune", {"embed": {**process, "embedding": w["embed"], "activations": cache},
+    return _stage("prune", {"embed": {**process, "embedding rows": embedding_rows_bytes(w, job.calib_samples * job.seqlen),
+                                      "activations": cache},
                             "layers": {**process, "layer": w["layer_max"], "activations": cache, **work},
                             "save": {**process, "tensor": max(w["layer_max"], largest_rest(w))}},
                   {"layer": w["layer_max"], **work})
@@ -132,7 +132,8 @@ def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     if job.compensate_offload != "disk":
         return _stage("compensate", {"layers": {**process, "pruned model": w["total"], "activations": activations, **train},
                                      **final}, device)
-    return _stage("compensate", {"embed": {**process, "embedding": w["embed"], "activations": cache},
+    rows = embedding_rows_bytes(w, job.compensate_samples * job.compensate_seqlen)
+    return _stage("compensate", {"embed": {**process, "embedding rows": rows, "activations": cache},
                                  "layers": {**process, "layer": w["layer_max"], "activations": activations, **train},
                                  "save": {**process, "tensor": max(w["layer_max"], largest_rest(w))}, **final}, device)
 
@@ -146,8 +147,10 @@ def estimate_export(w: dict[str, int], job: Workload) -> StageEstimate:
     process = {"process": PROCESS_BYTES["export"]}
     return _stage("export", {
         "write": {**process, "tensor + packed": tensor + int(tensor / FP32 * Q8_0_BYTES)},
-        "torch parity": {**process, "embedding or layer": max(w["embed"], w["layer_max"] + HEAD_BLOCK_BYTES), "logits": logits},
-        "llama.cpp parity": {**process, "gguf file": gguf_bytes(w), "llama.cpp": LLAMA_CPP_BYTES, "logits": 2 * logits}}, {})
+        "torch parity": {**process, "embedding rows or layer": max(embedding_rows_bytes(w, job.parity_tokens),
+                                                                   w["layer_max"] + HEAD_BLOCK_BYTES), "logits": logits},
+        "llama.cpp parity": {**process, "gguf file": gguf_bytes(w), "llama.cpp": LLAMA_CPP_BYTES + min(logits, LOGIT_BLOCK_BYTES),
+                             "logits": 2 * logits}}, {})
 
 
 def estimate_fidelity(w: dict[str, int], job: Workload) -> StageEstimate:
@@ -160,16 +163,17 @@ def estimate_fidelity(w: dict[str, int], job: Workload) -> StageEstimate:
     logits = job.seqlen * w["vocab"] * FP32
     compare = 4 * ROW_CHUNK * w["vocab"] * 8  # float64 log-softmax chunks of both models
     process = {"process": PROCESS_BYTES["fidelity"]}
-    phases = {"embed": {**process, "embedding": w["embed"], "caches": caches},
+    phases = {"embed": {**process, "embedding rows": embedding_rows_bytes(w, job.eval_windows * job.seqlen), "caches": caches},
               "layers": {**process, "caches": caches, "layer": w["layer_max"]},
               "logits": {**process, "caches": caches, "head block": HEAD_BLOCK_BYTES, "logits": 2 * logits,
                          "compare": compare}}
-    if job.zeroshot_batch:  # one whole fp32 model at a time in the harness
+    if job.zeroshot:  # one whole fp32 model at a time in the harness
         phases["zero-shot"] = {**process, "model": w["total"],
-                               "task logits": 2 * job.zeroshot_batch * ZEROSHOT_TOKENS * w["vocab"] * FP32}
+                               "task logits": 2 * zeroshot_batch(job.zeroshot_batch, w["vocab"]) * ZEROSHOT_TOKENS * w["vocab"] * FP32}
     if job.runtime_candidates:
         phases["runtime"] = {**process, "cache": cache, "head block": HEAD_BLOCK_BYTES, "gguf file": gguf_bytes(w),
-                             "llama.cpp": LLAMA_CPP_BYTES, "logits": 3 * logits, "compare": compare}
+                             "llama.cpp": LLAMA_CPP_BYTES + min(logits, LOGIT_BLOCK_BYTES), "logits": 2 * logits,
+                             "compare": compare}
     return _stage("fidelity", phases, {"layer": w["layer_max"], "head block": HEAD_BLOCK_BYTES,
                                        "batch": layer_batch_bytes(w, 8 * job.seqlen)})
 

@@ -16,6 +16,13 @@ from laco_deploy.structured import skeleton_of
 FP32 = 4  # bytes per weight: every stage computes in float32
 MIB = 2**20
 KL_CHUNK_TOKENS = 32  # the final KL pass makes its logits this many tokens at a time (compensate/klpass.py)
+# zero-shot (lm-eval): tokens of a batch's longest request; laco_lastword_quick on the default model grew
+# the process by 797 MiB at batch 4 and 1,479 at 16 (the fp32 model + logits and their log-softmax)
+ZEROSHOT_TOKENS = 192
+# fidelity.task_batch_size unset: the harness's [batch, tokens, vocab] logits and their log-softmax, at
+# ZEROSHOT_TOKENS tokens, stay within this, at most 4 sequences: 4 at SmolLM2's 49k vocabulary, 1 at Gemma 3's
+# 262k (where 4 grew the process by 2.1 GiB)
+ZEROSHOT_LOGIT_BYTES, ZEROSHOT_MAX_BATCH = 320 * MIB, 4
 
 
 def weight_bytes(model) -> dict[str, int]:
@@ -56,6 +63,20 @@ def largest_rest(w: dict[str, int]) -> int:
     """The largest non-layer tensor: the embedding or the untied head (read one at a time when a
     streamed model is saved: LazyModel.save copies them from the source file)."""
     return max(w["embed"], w["head"])
+
+
+def zeroshot_batch(setting: int | None, vocab: int) -> int:
+    """Sequences per harness forward: fidelity.task_batch_size where set, else the most (up to
+    ZEROSHOT_MAX_BATCH, at least 1) whose logits fit ZEROSHOT_LOGIT_BYTES at this vocabulary."""
+    if setting is not None:
+        return setting
+    return max(1, min(ZEROSHOT_MAX_BATCH, ZEROSHOT_LOGIT_BYTES // (2 * ZEROSHOT_TOKENS * vocab * FP32)))
+
+
+def embedding_rows_bytes(w: dict[str, int], tokens: int) -> int:
+    """What embedding `tokens` token ids reads from a streamed model: only the rows they use
+    (engine/lazy.py read_rows), at most the whole matrix."""
+    return min(w["embed"], tokens * w["hidden"] * FP32)
 
 
 def final_kl_terms(w: dict[str, int], tokens: int, optimizer: str, on_disk: bool = False) -> dict[str, int]:

@@ -10,7 +10,7 @@ import torch
 
 from laco_deploy.config import BuildConfig
 from laco_deploy.memplan import Workload, estimate_build
-from laco_deploy.sizing import FP32, model_bytes
+from laco_deploy.sizing import FP32, model_bytes, zeroshot_batch
 
 
 def test_weight_sizes_from_the_config(tiny_llama_dir, tiny_llama_untied_dir):
@@ -79,18 +79,23 @@ def test_final_kl_pass_adds_its_training_state(tiny_llama_dir):
 
 def test_zero_shot_row_counts_one_model_and_its_batch_of_logits(tiny_llama_dir):
     """The harness holds one whole model and a batch's [batch, tokens, vocab] logits with their log-softmax:
-    the default build's fidelity peak (2,836 MiB measured at batch 16, 2,101 at batch 4)."""
+    the default build's fidelity peak (2,836 MiB measured at batch 16, 2,101 at batch 4). Unset, the batch
+    is 4 at SmolLM2's vocabulary and 1 at Gemma 3's (its batch of 4 grew the process by 2.1 GiB)."""
     w = {**model_bytes(tiny_llama_dir), "vocab": 49152}  # a real vocabulary: the harness's logits dominate
     small = {"eval_windows": 1, "torch_candidates": 0, "runtime_candidates": 0}
-    off = {e.stage: e for e in estimate_build(w, _job(zeroshot_batch=0, **small))}["fidelity"]
-    four = {e.stage: e for e in estimate_build(w, _job(zeroshot_batch=4, **small))}["fidelity"]
-    sixteen = {e.stage: e for e in estimate_build(w, _job(zeroshot_batch=16, **small))}["fidelity"]
+    off = {e.stage: e for e in estimate_build(w, _job(zeroshot=False, **small))}["fidelity"]
+    auto = {e.stage: e for e in estimate_build(w, _job(zeroshot=True, **small))}["fidelity"]
+    four = {e.stage: e for e in estimate_build(w, _job(zeroshot=True, zeroshot_batch=4, **small))}["fidelity"]
+    sixteen = {e.stage: e for e in estimate_build(w, _job(zeroshot=True, zeroshot_batch=16, **small))}["fidelity"]
     assert "task logits" not in off.terms and four.terms["model"] == w["total"]
     assert sixteen.terms["task logits"] == 4 * four.terms["task logits"] and sixteen.host_bytes > four.host_bytes
+    assert auto.terms == four.terms and zeroshot_batch(None, 49152) == 4 and zeroshot_batch(None, 262144) == 1
+    assert zeroshot_batch(16, 262144) == 16  # a batch the user set is taken as set
     cfg = BuildConfig()
-    assert Workload.of_build(cfg, torch.device("cpu")).zeroshot_batch == cfg.fidelity.task_batch_size
+    job = Workload.of_build(cfg, torch.device("cpu"))
+    assert job.zeroshot and job.zeroshot_batch == cfg.fidelity.task_batch_size
     quiet = dataclasses.replace(cfg, fidelity=dataclasses.replace(cfg.fidelity, tasks=()))
-    assert Workload.of_build(quiet, torch.device("cpu")).zeroshot_batch == 0
+    assert not Workload.of_build(quiet, torch.device("cpu")).zeroshot
 
 
 def test_build_workload_follows_the_config():

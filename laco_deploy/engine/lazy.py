@@ -93,6 +93,26 @@ def copy_as_float32(src: Path, name: str, dst: Path, chunk_bytes: int = 16 * 2**
     return nbytes
 
 
+def read_rows(path: Path, name: str, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (sorted, unique indices) of the 2-D tensor `name` in the safetensors file `path`,
+    as float32 [len(rows), columns], each row read on its own: the matrix is never in memory whole."""
+    with open(path, "rb") as f:
+        base, header = _header(f)
+        info = header[name]
+        if info["dtype"] not in _DTYPES or len(info["shape"]) != 2:
+            raise ModelError(f"{path}: tensor {name} ({info['dtype']}, shape {info['shape']}) is not a 2-D weight matrix")
+        dtype, cols = _DTYPES[info["dtype"]], info["shape"][1]
+        row_bytes = cols * dtype.itemsize
+        raw = torch.empty(len(rows), row_bytes, dtype=torch.uint8)
+        for i, r in enumerate(rows.tolist()):
+            if not 0 <= r < info["shape"][0]:
+                raise ModelError(f"token id {r} is outside {name}'s {info['shape'][0]} rows; tokenize with this model's tokenizer")
+            f.seek(base + info["data_offsets"][0] + r * row_bytes)
+            if f.readinto(memoryview(raw[i].numpy())) != row_bytes:
+                raise ModelError(f"{path} is truncated (tensor {name}); re-save the model")
+    return raw.view(dtype).reshape(len(rows), cols).to(torch.float32)
+
+
 def read_tensors(path: Path, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Tensors `names` (default: all) of one safetensors file, read with plain file reads into fresh
     CPU memory. safe_open's tensors are views of a file mapping whose pages count in the process's
@@ -176,12 +196,26 @@ class LazyModel:
 
     def capture(self, input_ids: torch.Tensor, device: torch.device, offload: str = "cpu",
                 workdir: Path | None = None) -> LayerInputs:
-        """engine.capture_layer_inputs of input_ids [n, seq], with the embedding matrix read for it and
-        returned to `meta` right after: no stage needs it past the layer-0 inputs."""
-        self.load_rest(EMBED)
+        """engine.capture_layer_inputs of input_ids [n, seq], reading only the embedding rows these
+        samples use (a few thousand of Gemma 3's 262,144: 671 MiB in fp32 for the whole matrix); the
+        ids are renumbered into those rows for the capture, which a row lookup cannot tell apart.
+        The rows go back to `meta` right after: no stage needs them past the layer-0 inputs."""
+        embed = self.model.model.embed_tokens
+        used, local_ids = torch.unique(input_ids, return_inverse=True)
+        name = "model.embed_tokens.weight"
+        if name not in self._where:
+            raise ModelError(f"{self.path}: {name} missing from the safetensors files; the checkpoint is incomplete")
+        rows = read_rows(self._where[name], name, used)  # [used, hidden] float32
+        padding, embed.padding_idx = embed.padding_idx, None  # an index into the full matrix, not the rows
+        embed.weight = torch.nn.Parameter(torch.empty(0, rows.shape[1]), requires_grad=False)
+        for key, buf in list(embed.named_buffers(recurse=False)):
+            embed.register_buffer(key, torch.empty_like(buf, device="cpu"), persistent=key not in embed._non_persistent_buffers_set)
+        _init_buffers(self.model, embed)
+        embed.weight = torch.nn.Parameter(rows, requires_grad=False)
         try:
-            return capture_layer_inputs(self.model, input_ids, device, offload=offload, workdir=workdir)
+            return capture_layer_inputs(self.model, local_ids.view_as(input_ids), device, offload=offload, workdir=workdir)
         finally:
+            embed.padding_idx = padding
             self.release_rest(EMBED)
             trim_heap()
 
@@ -306,11 +340,24 @@ def capture_inputs(model, loader: Any, input_ids: torch.Tensor, device: torch.de
 
 def _init_buffers(model, module: torch.nn.Module) -> None:
     """Fill the non-persistent buffers `to_empty` left uninitialised (they are not in the checkpoint),
-    e.g. Gemma's embedding scale sqrt(hidden), with the model's own initialiser; the parameters it
-    also initialises are overwritten from the checkpoint right after."""
+    e.g. Gemma's embedding scale sqrt(hidden), with the model's own initialiser. The initialiser also
+    writes the module's parameters, which the checkpoint replaces right after: it sees stand-ins
+    without elements instead, so that an embedding matrix is not written whole (every page of it
+    resident) only to be thrown away."""
     for sub in module.modules():
         if getattr(sub, "_non_persistent_buffers_set", None):
-            model._init_weights(sub)
+            params, padding = dict(sub._parameters), getattr(sub, "padding_idx", None)
+            for key, param in params.items():
+                if param is not None:
+                    sub._parameters[key] = torch.nn.Parameter(torch.empty(0, device=param.device), requires_grad=False)
+            if padding is not None:
+                sub.padding_idx = None
+            try:
+                model._init_weights(sub)
+            finally:
+                sub._parameters.update(params)
+                if padding is not None:
+                    sub.padding_idx = padding
 
 
 def _assign(layer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -30,6 +30,7 @@ import torch
 from laco_deploy.config import FidelityConfig
 from laco_deploy.fidelity.tasks import LoadedTasks
 from laco_deploy.memory import trim_heap
+from laco_deploy.sizing import zeroshot_batch
 
 log = logging.getLogger(__name__)
 SEED = 1234  # the harness's own default seed for few-shot sampling (unused at 0-shot, set for determinism)
@@ -77,7 +78,7 @@ def evaluate_models(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, models: 
         "tasks": tasks.describe(),
         "models": per_model,
         "skipped": dict(skipped or {}),
-        "settings": {"num_fewshot": 0, "limit": cfg.task_limit, "batch_size": cfg.task_batch_size,
+        "settings": {"num_fewshot": 0, "limit": cfg.task_limit, "batch_size": _batch_size(cfg, tokenizer),
                      "specs": list(cfg.tasks), "tokenizer": "the dense model's, for every model"},
         "versions": {"lm_eval": importlib.metadata.version("lm_eval")},
     }
@@ -90,12 +91,18 @@ def _evaluate_one(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, model) -> 
     with _quiet_harness():
         # add_bos_token left unset: contexts are encoded with the tokenizer's own special tokens (BOS where
         # it adds one), as data.py's samples are
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.task_batch_size)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=_batch_size(cfg, tokenizer))
         for task in tasks.task_dict["tasks"].values():
             task.set_config(key="num_fewshot", value=0)
             task.set_fewshot_seed(seed=SEED)
         out = evaluate(lm=lm, task_dict=tasks.task_dict, limit=cfg.task_limit, bootstrap_iters=1000, log_samples=False)
     return {name: _task_scores(out["results"][name], out["n-samples"].get(name, {})) for name in tasks.task_dict["tasks"]}
+
+
+def _batch_size(cfg: FidelityConfig, tokenizer) -> int:
+    """fidelity.task_batch_size, or where unset the largest batch whose logits (the harness's peak) fit
+    sizing's budget at this vocabulary (sizing.zeroshot_batch)."""
+    return zeroshot_batch(cfg.task_batch_size, len(tokenizer))
 
 
 def _task_scores(results: dict[str, Any], n_samples: dict[str, int]) -> dict[str, Any]:

@@ -22,6 +22,10 @@ from laco_deploy.targets import GGUF
 log = logging.getLogger(__name__)
 
 RUNNER_N_CTX = 512  # context of a logits runner; sequences longer than this are refused
+# llama.cpp's logits for one decode call: a window is decoded this many bytes of [tokens, vocab] float32
+# at a time (64 tokens at Gemma's 262k vocabulary, a whole 256-token window at SmolLM2's 49k), so that
+# llama.cpp's output buffer holds a block of rows, not a window's worth
+LOGIT_BLOCK_BYTES = 64 * 2**20
 
 
 _LIVE: "weakref.WeakSet[LlamaCppRunner]" = weakref.WeakSet()
@@ -75,7 +79,7 @@ class LlamaCppRunner:
         self.add_bos = bool(self.llm._model.add_bos_token())
         self.bos_id = int(self.llm.token_bos())
 
-    def _eval(self, ids: list[int]) -> None:
+    def _check_ids(self, ids: list[int]) -> None:
         if len(ids) > self.n_ctx:
             raise ConfigError(f"sequence of {len(ids)} tokens exceeds the llama.cpp context of {self.n_ctx}; "
                               f"use shorter windows or LlamaCppRunner(..., n_ctx={len(ids)})")
@@ -83,9 +87,6 @@ class LlamaCppRunner:
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary of {self.path.name} ({self.n_vocab}); "
                               "tokenize with this model's tokenizer")
-        self.llm.reset()
-        self.llm.eval(ids)
-        raise_pending_interrupt()
 
     def logits(self, input_ids):
         """input_ids: torch.Tensor [seq] int64 -> torch.Tensor [seq, vocab] float32."""
@@ -94,11 +95,30 @@ class LlamaCppRunner:
         return torch.from_numpy(self.logits_np([int(i) for i in input_ids.reshape(-1).tolist()]))
 
     def logits_np(self, ids: list[int]) -> np.ndarray:
-        """The same without torch (the benchmark worker does not import it). [seq, vocab] float32."""
+        """The same without torch (the benchmark worker does not import it). [seq, vocab] float32.
+
+        Decoded in blocks of `block_rows()` tokens, each block's logits copied straight from llama.cpp's
+        output buffer into the result: llama-cpp-python's own `scores` array ([n_ctx, vocab], what
+        `Llama.eval` fills) is never touched, so the only window-sized array is the one returned."""
         if not self.llm._logits_all:
             raise ConfigError("this LlamaCppRunner was built with logits_all=False; build it with logits_all=True")
-        self._eval(ids)
-        return np.array(self.llm.scores[: len(ids)], dtype=np.float32, copy=True)
+        self._check_ids(ids)
+        llm, rows = self.llm, self.block_rows()
+        out = np.empty((len(ids), self.n_vocab), dtype=np.float32)
+        llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        for start in range(0, len(ids), rows):
+            block = ids[start : start + rows]
+            llm._batch.set_batch(batch=block, n_past=start, logits_all=True)
+            llm._ctx.decode(llm._batch)
+            raise_pending_interrupt()
+            out[start : start + len(block)] = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(block), self.n_vocab))
+        llm.n_tokens = 0  # the runner's own decode bypassed Llama.eval's bookkeeping: start clean next time
+        return out
+
+    def block_rows(self) -> int:
+        """Tokens per decode call in `logits_np`: LOGIT_BLOCK_BYTES of logits, at most the batch size."""
+        return max(1, min(self.llm.n_batch, LOGIT_BLOCK_BYTES // (4 * self.n_vocab)))
 
     def last_logits(self) -> np.ndarray:
         """Logits after the last evaluated token. [vocab] float32 (a view into llama.cpp's buffer)."""

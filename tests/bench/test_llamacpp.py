@@ -59,6 +59,25 @@ def test_runner_logits_match_pytorch(tiny_llama_dir, ggufs):
     runner.close()
 
 
+def test_logits_decoded_in_blocks_equal_one_decode(ggufs, monkeypatch):
+    """A large vocabulary's window is decoded a few tokens at a time (llama.cpp then holds a block's
+    logits, not a window's): the same logits as one decode, and the runner stays usable afterwards."""
+    import laco_deploy.runtimes.llamacpp as llamacpp
+
+    runner = LlamaCppRunner(ggufs["f32"], threads=1, n_ctx=64)
+    ids = torch.arange(3, 40, dtype=torch.long)
+    assert runner.block_rows() == 64  # 64 tokens x 512 vocab fit one block: one decode
+    whole = runner.logits(ids)
+    monkeypatch.setattr(llamacpp, "LOGIT_BLOCK_BYTES", 8 * 512 * 4)
+    assert runner.block_rows() == 8
+    blocked = runner.logits(ids)  # 5 decode calls: 8 + 8 + 8 + 8 + 5 tokens
+    assert torch.allclose(blocked, whole, atol=1e-4) and not torch.equal(blocked[-1], blocked[-2])
+    runner.llm.reset()  # the benchmark's own path (Llama.eval) after a blocked call
+    runner.llm.eval(ids[:5].tolist())
+    assert np.allclose(runner.last_logits(), whole[4].numpy(), atol=1e-4)
+    runner.close()
+
+
 def test_perplexity_follows_llama_perplexity_protocol(tiny_llama_dir, ggufs):
     from laco_deploy.runtimes.runner import TorchRunner
     from laco_deploy.data import load_texts

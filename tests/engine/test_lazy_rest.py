@@ -18,16 +18,39 @@ def _ids(n=3, seq=10):
     return torch.randint(0, 500, (n, seq), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir"])
-def test_capture_reads_the_embedding_only_while_embedding(fixture, request):
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_gemma3_dir"])
+def test_capture_reads_the_embedding_only_while_embedding(fixture, request, monkeypatch):
+    """Only the embedding rows the samples use are read (Gemma 3: its scaled embedding and padding
+    row too), and the layer-0 inputs equal the resident model's."""
+    from laco_deploy.engine import lazy as L
+
     src = request.getfixturevalue(fixture)
     lazy = LazyModel.open(src, rest=False)
     ids = _ids()
+    read = []
+    monkeypatch.setattr(L, "read_rows", lambda *a, _f=L.read_rows: read.append(a[2]) or _f(*a))
     got = lazy.capture(ids, CPU)
     want = capture_layer_inputs(load_model(str(src)).model, ids, CPU)
     assert torch.equal(got.hidden.data, want.hidden.data)
+    assert len(read) == 1 and torch.equal(read[0], torch.unique(ids))  # not the 512-row matrix
     rest = [lazy.model.model.embed_tokens, lazy.model.model.norm, lazy.model.lm_head]
     assert all(p.is_meta for m in rest for p in m.parameters())  # nothing outside the layers stays loaded
+
+
+def test_loading_the_rest_never_initialises_the_weights_it_replaces(tiny_gemma3_dir, monkeypatch):
+    """The model's initialiser fills the non-persistent buffers (Gemma's embedding scale) but sees
+    parameters without elements: writing a 262k-row embedding only to replace it made every page of it
+    resident (671 MiB on Gemma 3 270M)."""
+    lazy = LazyModel.open(tiny_gemma3_dir, rest=False)
+    seen = []
+    original = lazy.model._init_weights
+    monkeypatch.setattr(lazy.model, "_init_weights",
+                        lambda m: seen.extend(p.numel() for p in m.parameters(recurse=False)) or original(m))
+    lazy.load_rest()
+    embed = lazy.model.model.embed_tokens
+    resident = load_model(str(tiny_gemma3_dir)).model.model.embed_tokens
+    assert seen and all(n == 0 for n in seen)
+    assert torch.equal(embed.weight, resident.weight) and torch.equal(embed.embed_scale, resident.embed_scale)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen2_dir", "tiny_gemma2_dir"])

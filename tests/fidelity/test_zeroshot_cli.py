@@ -58,7 +58,7 @@ def test_task_limit_must_be_positive(cli, trained_dir, tmp_path):
 def test_build_takes_tasks_from_flags_and_the_config_file(cli):
     assert merge({}, {"fidelity.tasks": (SAMPLE, "arc_easy"), "fidelity.task_limit": 5}).fidelity.tasks == (SAMPLE, "arc_easy")
     cfg = merge({"fidelity": {"tasks": [SAMPLE], "task_batch_size": 8}}, {})
-    assert cfg.fidelity.tasks == (SAMPLE,) and cfg.fidelity.task_batch_size == 8  # not the default (4)
+    assert cfg.fidelity.tasks == (SAMPLE,) and cfg.fidelity.task_batch_size == 8  # not the default (None: chosen by vocabulary)
     assert merge({}, {}).fidelity.tasks == BUILD_TASKS  # a build's quick row by default
     assert merge({"fidelity": {"tasks": []}}, {}).fidelity.tasks == ()  # off from a config file
     # YAML text for a list setting reads as comma-separated names, as the flag does
