@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -132,3 +133,21 @@ def test_imatrix_build_weights_each_export_with_its_own_matrix(tiny_llama_dir, t
         assert any("14 weights importance-weighted" in n for n in result[label]["notes"]), result[label]["notes"]
     with pytest.raises(ConfigError, match="computes each exported model's own importance matrix"):
         _cfg(tiny_llama_dir, out, export__quant="q4_k_m", export__imatrix="m.gguf")
+
+
+def test_imatrix_build_exports_a_qa_model_with_the_matrix_it_trained_through(tiny_llama_dir, tmp_path):
+    """A model folder holding imatrix.gguf (QA-LaCo's compensate.quant_imatrix) is exported with that
+    file, not one computed on it: llama.cpp then writes the grid the weights were trained through."""
+    from laco_deploy.config import DataConfig
+    from laco_deploy.imatrix import TRAINED_FILE, compute
+    from laco_deploy.pipeline import prepare
+
+    out = tmp_path / "b"
+    recipe = prepare(_cfg(tiny_llama_dir, out, export__quant="q4_k_m", export__imatrix="calib", compensate__method="none"))
+    src = recipe.sources()
+    pruned = recipe.prune(src)
+    trained = Path(pruned.path) / TRAINED_FILE
+    compute(tiny_llama_dir, DataConfig(samples=2, seqlen=32, seed=5), trained)  # not what calib gives
+    recipe.export(src, pruned, pruned)
+    assert (out / "imatrix" / "model.imatrix.gguf").read_bytes() == trained.read_bytes()
+    assert (out / "imatrix" / "dense.imatrix.gguf").read_bytes() != trained.read_bytes()
