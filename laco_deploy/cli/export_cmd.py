@@ -45,15 +45,18 @@ def export_command(
     if imatrix == IMATRIX_CALIB and cfg.resolved_quant in target.imatrix_quants:
         target.check_out(imatrix_out, "--out", force=force, force_option="--force")  # written beside --out
     model_dir = local_dir(source)
-    if imatrix == IMATRIX_CALIB and cfg.resolved_quant in target.imatrix_quants:
-        from laco_deploy.imatrix import compute, trained_with
+    from laco_deploy.imatrix import compute, trained_with
 
+    if imatrix == IMATRIX_CALIB and cfg.resolved_quant in target.imatrix_quants:
         weights = trained_with(model_dir)  # QA-LaCo's own: the export reproduces the grid it trained through
         if weights is not None:
             console.print(f"importance matrix QA-LaCo trained {model_dir.name} through: {weights}")
         else:
             weights = Path(compute(model_dir, DataConfig(), imatrix_out).path)
             console.print(f"importance matrix of {model_dir.name} on {DataConfig.calib}: {weights}")
+    if imatrix is None and cfg.resolved_quant in target.imatrix_quants and trained_with(model_dir) is not None:
+        console.print(f"note: {model_dir.name} was trained through llama.cpp's importance-weighted quantizer (its "
+                      f"imatrix.gguf); without --imatrix {IMATRIX_CALIB} the file holds another grid than the one trained through")
     result = target.export(model_dir, dest, cfg.resolved_quant, sparse_storage=cfg.sparse_storage, imatrix=weights)
     console.print(f"wrote {result.path} ({result.size_bytes / 2**20:.1f} MiB, {result.target} {result.quant})")
     for key, value in result.checks.items():

@@ -248,3 +248,22 @@ def test_ggml_row_quantizer_reproduces_the_export(wide_llama_dir, wide_imatrix, 
     w = gguf_model.read_tensor(entries["blk.0.ffn_up.weight"])
     q = ggml_quants.fake_quantize(w, gguf.GGMLQuantizationType.Q3_K, imp["blk.0.ffn_up.weight"])
     assert q.shape == w.shape and 0 < np.abs(q - w).max() < np.abs(w).max()
+
+
+def test_cli_export_takes_the_matrix_a_qa_model_trained_through(cli, wide_llama_dir, wide_imatrix, tmp_path):
+    """`export --imatrix calib` of a folder holding QA-LaCo's imatrix.gguf quantizes with that file (the
+    same bytes as naming it), not a matrix computed on the model; without --imatrix it says so."""
+    import shutil
+
+    model = tmp_path / "qa"
+    shutil.copytree(wide_llama_dir, model)
+    shutil.copyfile(wide_imatrix.path, model / "imatrix.gguf")
+    code, out, err = cli("export", "--model", model, "--quant", "q2_k", "--imatrix", "calib", "--out", tmp_path / "a.gguf")
+    assert code == 0, err
+    assert "trained qa through" in " ".join(out.split()) and not (tmp_path / "a.imatrix.gguf").exists()
+    code, _, err = cli("export", "--model", model, "--quant", "q2_k", "--imatrix", wide_imatrix.path, "--out", tmp_path / "b.gguf")
+    assert code == 0, err
+    a, b = (gguf.GGUFReader(str(tmp_path / f"{n}.gguf")).tensors for n in "ab")
+    assert all(np.array_equal(np.asarray(x.data), np.asarray(y.data)) for x, y in zip(a, b))
+    code, out, err = cli("export", "--model", model, "--quant", "q2_k", "--out", tmp_path / "c.gguf")
+    assert code == 0 and "without --imatrix calib" in " ".join(out.split()), err
