@@ -29,6 +29,7 @@ from laco_deploy.artifacts import Artifact
 from laco_deploy.checked import Checked, check
 from laco_deploy.config import DataConfig, FidelityConfig, ModelConfig, to_dict
 from laco_deploy.data import eval_domains, evaluation_windows, in_domain, sample_format
+from laco_deploy.divergence import ROW_CHUNK
 from laco_deploy.errors import ConfigError, ModelError, RuntimeBackendError
 from laco_deploy.fidelity import metrics as M
 from laco_deploy.fidelity.gates import evaluate_gates
@@ -261,6 +262,8 @@ def _score_torch(windows: torch.Tensor, window_domain: list[str], tp: TorchPass,
             c_logits = tp.logits(label, w)
             _check_logits(label, c_logits, d_logits, w)
             st.add(d_logits, c_logits, ids, domain)
+            del c_logits  # [seq, vocab] each (268 MiB at Gemma's vocabulary): never two windows' at once
+        del d_logits
     return (nll_sum, nll_count), by_domain
 
 
@@ -276,6 +279,7 @@ def _score_runtime(label: str, path: Path, windows: torch.Tensor, window_domain:
             c_logits = _runner_logits(label, runner, windows[w])
             _check_logits(label, c_logits, d_logits, w)
             st.add(d_logits, c_logits, windows[w], window_domain[w])
+            del d_logits, c_logits  # freed before the next window's are made, not after
         return st
     finally:
         close = getattr(runner, "close", None)
@@ -318,7 +322,7 @@ def _check_logits(label: str, cand: torch.Tensor, dense: torch.Tensor, window: i
     if cand.shape != dense.shape:
         raise ModelError(f"candidate {label} returned logits of shape {tuple(cand.shape)} but the dense model {tuple(dense.shape)}; "
                          "compare models that share the dense model's tokenizer and vocabulary")
-    if not torch.isfinite(cand).all():
+    if not all(torch.isfinite(cand[s : s + ROW_CHUNK]).all() for s in range(0, cand.shape[0], ROW_CHUNK)):
         raise RuntimeBackendError(f"candidate {label} produced NaN or infinite logits in evaluation window {window}; "
                                   "the model or its export is broken (try a wider weight type, e.g. fp32 or q8_0)")
 
