@@ -107,7 +107,9 @@ def describe(row: Row) -> str:
         what = f"structured {prune['structured']:.0%} of FFN channels" + ("" if family.endswith("ffn") else " and KV head groups")
     else:
         what = prune.get("pattern") or f"Wanda {prune['sparsity']:.0%} unstructured"
-    rec = {"": "", "laco": " + LaCo"}.get(recovery, f" + QA-LaCo {recovery.removeprefix('qa-')}")
+    kind, _, qa_type = recovery.partition("-")
+    rec = {"": "", "laco": " + LaCo", "qa": f" + QA-LaCo {qa_type}",
+           "qaw": f" + QA-LaCo {qa_type} through the importance matrix"}[kind]
     return f"{what}{rec}, {settings(row)['export']['target']} {row.quant}"
 
 

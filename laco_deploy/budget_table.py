@@ -72,6 +72,10 @@ SOURCES = {
                  "(2026-12-05, eleventh session)", 19.28,
                  "llama.cpp perplexity over the 5 evaluation texts (80 windows); dense fp32 PyTorch 19.28; "
                  "LaCo on 128 samples"),
+    "qaw": Source("QA-LaCo from llama.cpp's importance-weighted grid: Q3_K_M within 40% of imatrix's gap "
+                  "(2026-12-05, issue 32 item 2)", 19.28,
+                  "llama.cpp perplexity over the 5 evaluation texts (80 windows); dense fp32 PyTorch 19.28; "
+                  "LaCo on 128 samples through the quantizer weighted by the calibration text's importance matrix"),
 }
 
 # label -> {weight type: (file MiB, perplexity)}; labels as in the frontier tables
@@ -102,6 +106,8 @@ GRID: dict[str, dict[str, tuple[float, float]]] = {
 }
 IMATRIX = {"dense-imatrix": {"q4_k_m": (100.6, 19.29), "q3_k_m": (89.2, 20.90), "q2_k": (84.1, 22.78)}}
 QA = {"dense+qa-q3_k_m": {"q3_k_m": (93_510_784 / MIB, 20.16)}, "dense+qa-q2_k": {"q2_k": (88_202_368 / MIB, 22.17)}}
+# "qaw-": QA-LaCo through llama.cpp's importance-weighted quantizer (compensate.quant_imatrix), exported with it
+QAW = {"dense+qaw-q3_k_m": {"q3_k_m": (93_511_168 / MIB, 19.94)}}
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = tuple(Row(label, quant, size, ppl, source)
-                              for source, table in (("grid", GRID), ("imatrix", IMATRIX), ("qa", QA))
+                              for source, table in (("grid", GRID), ("imatrix", IMATRIX), ("qa", QA), ("qaw", QAW))
                               for label, cells in table.items() for quant, (size, ppl) in cells.items())
 
 
@@ -160,9 +166,13 @@ def _prune(family: str) -> dict[str, Any]:
 
 def settings(row: Row) -> dict[str, dict[str, Any]]:
     """The config-file sections that build `row` (what a preset holds): its pruning, its recovery
-    (none, LaCo, or QA-LaCo through the exported type) and its export type and importance matrix."""
+    (none, LaCo, or QA-LaCo through the exported type, "qaw-" through its importance-weighted quantizer)
+    and its export type and importance matrix."""
     family, _, recovery = row.label.partition("+")
     method = "none" if not recovery else "laco"
-    quant_aware = recovery.removeprefix("qa-") if recovery.startswith("qa-") else None
-    return {"prune": _prune(family), "compensate": {"method": method, "quant_aware": quant_aware},
-            "export": {"target": row.target, "quant": row.quant, "imatrix": IMATRIX_CALIB if family == "dense-imatrix" else None}}
+    kind, _, quant_aware = recovery.partition("-")
+    weighted = kind == "qaw"
+    compensate = {"method": method, "quant_aware": quant_aware or None, **({"quant_imatrix": IMATRIX_CALIB} if weighted else {})}
+    imatrix = IMATRIX_CALIB if family == "dense-imatrix" or weighted else None
+    return {"prune": _prune(family), "compensate": compensate,
+            "export": {"target": row.target, "quant": row.quant, "imatrix": imatrix}}

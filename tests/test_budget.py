@@ -11,7 +11,7 @@ import yaml
 
 from laco_deploy import budget
 from laco_deploy.budget import choose, explain, given_settings, parse_size
-from laco_deploy.budget_table import MEASURED_SHAPE, ModelShape, Row
+from laco_deploy.budget_table import MEASURED_SHAPE, ROWS, ModelShape, Row
 from laco_deploy.config import FFN_LINEARS
 from laco_deploy.errors import ConfigError
 from laco_deploy.summary import size_digest, size_lines
@@ -34,7 +34,7 @@ def test_nonsense_budget_is_one_config_error_naming_the_fix(text):
 
 
 @pytest.mark.parametrize("text, label, quant", [
-    ("90MiB", "dense+qa-q3_k_m", "q3_k_m"),  # QA-LaCo Q3_K_M 89.2 MiB, 1.046 x dense: best of what fits
+    ("90MiB", "dense+qaw-q3_k_m", "q3_k_m"),  # QA-LaCo Q3_K_M through the imatrix, 89.2 MiB, 1.034 x dense: best of what fits
     ("0.09GB", "dense+qa-q2_k", "q2_k"),  # 85.8 MiB: Q3_K_M no longer fits
     ("101MiB", "dense-imatrix", "q4_k_m"),  # 100.6 MiB, 1.008 x
     ("300MiB", "dense", "f16"),  # 1.000 x, tied with ONNX fp32 (513.5 MiB): the smaller file
@@ -76,7 +76,7 @@ def test_too_small_a_budget_names_the_smallest_achievable_size():
 
 
 def test_given_settings_narrow_the_choice():
-    assert choose("95MiB", P, {"export.quant": "Q3_K_M"}).chosen.row.label == "dense+qa-q3_k_m"
+    assert choose("95MiB", P, {"export.quant": "Q3_K_M"}).chosen.row.label == "dense+qaw-q3_k_m"
     assert choose("90MiB", P, {"compensate.method": "none"}).chosen.row.label == "dense-imatrix"
     assert choose("90MiB", P, {"compensate.method": "none", "export.imatrix": None}).chosen.row.label == "dense"
     ffn = choose("95MiB", P, {"prune.structured": 0.3, "prune.targets": list(FFN_LINEARS)}).chosen.row
@@ -103,7 +103,7 @@ def test_explanation_names_choice_rule_measurement_and_candidates():
     json.dumps(rec)
     short, full = explain(rec), explain(rec, full=True)
     text = "\n".join(short)
-    for part in ("dense + QA-LaCo q3_k_m, gguf q3_k_m", "89.2 MiB", "1.046 x dense", "SmolLM2-135M", "ties",
+    for part in ("dense + QA-LaCo q3_k_m through the importance matrix, gguf q3_k_m", "89.2 MiB", "1.034 x dense", "SmolLM2-135M", "ties",
                  "benchmarks/RESULTS.md", "export.target gguf", "better, too big", "dense-imatrix q4_k_m 100.6 MiB"):
         assert part in text, part
     assert len(full) == len(short) + 1 + len(rec["candidates"]) and all(c["label"] in "\n".join(full) for c in rec["candidates"])
@@ -130,7 +130,7 @@ def test_cli_flags_narrow_and_keep_the_chosen_qa_type(tiny_llama_dir, tmp_path):
 
     flags = {"model.model": str(tiny_llama_dir), "export.quant": "q3_k_m", "data.samples": 6, "out": str(tmp_path / "b")}
     cfg, _, rec = _settings(None, None, flags, "50MiB")
-    assert rec["chosen"]["label"] == "dense+qa-q3_k_m" and rec["given"] == {"export.quant": "q3_k_m"}
+    assert rec["chosen"]["label"] == "dense+qaw-q3_k_m" and rec["given"] == {"export.quant": "q3_k_m"}
     assert (cfg.compensate.quant_aware, cfg.export.quant, cfg.prune.sparsity, cfg.data.samples) == ("q3_k_m", "q3_k_m", 0.0, 6)
     config = tmp_path / "q2.yaml"  # the same from a config file, whose other settings stay
     config.write_text(yaml.safe_dump({"export": {"quant": "q2_k"}, "compensate": {"epochs": 3}}))
@@ -164,7 +164,7 @@ def test_build_by_size_end_to_end(cli, tiny_llama_dir, tmp_path):
     assert code == 0, err
     manifest = json.loads((out / "manifest.json").read_text())
     rec = manifest["size_budget"]
-    assert rec["chosen"]["label"] == "dense" and rec["chosen"]["quant"] == "f16" and len(rec["candidates"]) == 61
+    assert rec["chosen"]["label"] == "dense" and rec["chosen"]["quant"] == "f16" and len(rec["candidates"]) == len(ROWS)
     assert manifest["config"]["prune"]["sparsity"] == 0.0 and manifest["config"]["compensate"]["method"] == "none"
     assert manifest["summary"]["size_budget"]["within"] is True
     assert "chosen           dense, gguf f16" in stdout and "within the budget" in stdout

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from laco_deploy.budget_table import GRID, IMATRIX, MEASURED_PARAMS, MEASURED_SHAPE, QA, ROWS, SOURCES, ModelShape, settings
+from laco_deploy.budget_table import GRID, IMATRIX, MEASURED_PARAMS, MEASURED_SHAPE, QA, QAW, ROWS, SOURCES, ModelShape, settings
 from laco_deploy.buildconfig import merge
 from laco_deploy.config import FFN_LINEARS, PRUNABLE_LINEARS
 
@@ -59,6 +59,15 @@ def test_qa_rows_are_the_qa_laco_table():
         assert int(row[1].replace(",", "")) / 2**20 == pytest.approx(size_mib) and float(row[2]) == ppl
 
 
+def test_weighted_qa_rows_are_their_table():
+    rows = _first_table(SOURCES["qaw"].section)
+    assert next(r for r in rows if r[0].startswith("dense fp32"))[2] == str(SOURCES["qaw"].dense_ppl)
+    for label, cells in QAW.items():
+        (quant, (size_mib, ppl)), = cells.items()
+        row = next(r for r in rows if r[0].strip("*") == f"{quant.upper()}, QA-LaCo from the imatrix grid")
+        assert int(row[1].replace(",", "")) / 2**20 == pytest.approx(size_mib) and float(row[2].strip("*")) == ppl
+
+
 def test_measured_params_are_smollm2_135m():
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
@@ -72,9 +81,11 @@ def test_each_rows_settings_build_that_row(row):
     cfg = merge(settings(row), {})
     family, _, recovery = row.label.partition("+")
     assert cfg.export.resolved_quant == row.quant
-    assert (cfg.export.imatrix is not None) == (family == "dense-imatrix")
+    kind, _, qa_type = recovery.partition("-")
+    assert (cfg.export.imatrix is not None) == (family == "dense-imatrix" or kind == "qaw")
+    assert (cfg.compensate.quant_imatrix is not None) == (kind == "qaw")
     assert cfg.compensate.method == ("laco" if recovery else "none")
-    assert cfg.compensate.quant_aware == (recovery[3:] if recovery.startswith("qa-") else None)
+    assert cfg.compensate.quant_aware == (qa_type if kind in ("qa", "qaw") else None)
     if family.startswith("dense"):
         assert cfg.prune.sparsity == 0.0 and cfg.prune.structured is None and cfg.prune.pattern is None
     elif family.startswith("s"):
