@@ -1,8 +1,8 @@
 """Models larger than RAM: decoder layers streamed from the safetensors files, one at a time.
 
 `LazyModel.open(dir, rest=False)` builds the model on the `meta` device (no memory); `capture()`
-reads the embedding matrix only to embed the calibration samples and drops it before the first
-layer runs. `walk_layers(Lane(model, inputs, lazy), ...)` then materialises layer i from disk just
+reads only the embedding rows the calibration samples use, embeds them and drops them before the
+first layer runs. `walk_layers(Lane(model, inputs, lazy), ...)` then materialises layer i from disk just
 before its step and, after it, writes the (pruned / compensated) layer to a spill file and returns
 it to `meta`. `save()` assembles a sharded Hugging Face directory (one shard per layer, one per
 non-layer tensor, with `model.safetensors.index.json`) from the spill files and the source files,
