@@ -207,6 +207,7 @@ class LazyModel:
             raise ModelError(f"{self.path}: {name} missing from the safetensors files; the checkpoint is incomplete")
         rows = read_rows(self._where[name], name, used)  # [used, hidden] float32
         padding, embed.padding_idx = embed.padding_idx, None  # an index into the full matrix, not the rows
+        skeleton = embed.weight  # [vocab, hidden] on `meta`, what later loads of the embedding (or tied head) fill
         embed.weight = torch.nn.Parameter(torch.empty(0, rows.shape[1]), requires_grad=False)
         for key, buf in list(embed.named_buffers(recurse=False)):
             embed.register_buffer(key, torch.empty_like(buf, device="cpu"), persistent=key not in embed._non_persistent_buffers_set)
@@ -215,7 +216,7 @@ class LazyModel:
         try:
             return capture_layer_inputs(self.model, local_ids.view_as(input_ids), device, offload=offload, workdir=workdir)
         finally:
-            embed.padding_idx = padding
+            embed.padding_idx, embed.weight = padding, skeleton
             self.release_rest(EMBED)
             trim_heap()
 

@@ -35,6 +35,8 @@ def test_capture_reads_the_embedding_only_while_embedding(fixture, request, monk
     assert len(read) == 1 and torch.equal(read[0], torch.unique(ids))  # not the 512-row matrix
     rest = [lazy.model.model.embed_tokens, lazy.model.model.norm, lazy.model.lm_head]
     assert all(p.is_meta for m in rest for p in m.parameters())  # nothing outside the layers stays loaded
+    lazy.load_rest()  # the whole matrix again afterwards (the final KL pass's head): the skeleton kept its shape
+    assert torch.equal(lazy.model.model.embed_tokens.weight, load_model(str(src)).model.model.embed_tokens.weight)
 
 
 def test_loading_the_rest_never_initialises_the_weights_it_replaces(tiny_gemma3_dir, monkeypatch):
