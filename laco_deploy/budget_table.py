@@ -107,7 +107,8 @@ GRID: dict[str, dict[str, tuple[float, float]]] = {
 IMATRIX = {"dense-imatrix": {"q4_k_m": (100.6, 19.29), "q3_k_m": (89.2, 20.90), "q2_k": (84.1, 22.78)}}
 QA = {"dense+qa-q3_k_m": {"q3_k_m": (93_510_784 / MIB, 20.16)}, "dense+qa-q2_k": {"q2_k": (88_202_368 / MIB, 22.17)}}
 # "qaw-": QA-LaCo through llama.cpp's importance-weighted quantizer (compensate.quant_imatrix), exported with it
-QAW = {"dense+qaw-q3_k_m": {"q3_k_m": (93_511_168 / MIB, 19.94)}}
+QAW = {"dense+qaw-q3_k_m": {"q3_k_m": (93_511_168 / MIB, 19.94)},
+       "dense+qaw-q2_k": {"q2_k": (88_202_752 / MIB, 20.94)}}
 
 
 @dataclass(frozen=True)

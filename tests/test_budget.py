@@ -35,7 +35,7 @@ def test_nonsense_budget_is_one_config_error_naming_the_fix(text):
 
 @pytest.mark.parametrize("text, label, quant", [
     ("90MiB", "dense+qaw-q3_k_m", "q3_k_m"),  # QA-LaCo Q3_K_M through the imatrix, 89.2 MiB, 1.034 x dense: best of what fits
-    ("0.09GB", "dense+qa-q2_k", "q2_k"),  # 85.8 MiB: Q3_K_M no longer fits
+    ("0.09GB", "dense+qaw-q2_k", "q2_k"),  # 85.8 MiB: Q3_K_M no longer fits; Q2_K through the imatrix, 1.086 x
     ("101MiB", "dense-imatrix", "q4_k_m"),  # 100.6 MiB, 1.008 x
     ("300MiB", "dense", "f16"),  # 1.000 x, tied with ONNX fp32 (513.5 MiB): the smaller file
     ("63MiB", "s50-all+qa-q4_k_m", "q4_k_m"),  # the smallest row; tied in size with + LaCo, better ratio
@@ -135,7 +135,7 @@ def test_cli_flags_narrow_and_keep_the_chosen_qa_type(tiny_llama_dir, tmp_path):
     config = tmp_path / "q2.yaml"  # the same from a config file, whose other settings stay
     config.write_text(yaml.safe_dump({"export": {"quant": "q2_k"}, "compensate": {"epochs": 3}}))
     cfg, _, rec = _settings(config, None, {"model.model": str(tiny_llama_dir), "out": str(tmp_path / "b")}, "50MiB")
-    assert rec["chosen"]["label"] == "dense+qa-q2_k" and (cfg.compensate.quant_aware, cfg.compensate.epochs) == ("q2_k", 3)
+    assert rec["chosen"]["label"] == "dense+qaw-q2_k" and (cfg.compensate.quant_aware, cfg.compensate.epochs) == ("q2_k", 3)
 
 
 def test_cli_size_with_preset_or_nonsense_is_one_line_exit_2(cli, tiny_llama_dir, tmp_path):
