@@ -136,6 +136,18 @@ def mean_over_tasks(scores: dict[str, dict[str, Any]]) -> dict[str, dict[str, An
     return out
 
 
+def accuracy_over_tasks(scores: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The papers' headline: per task acc_norm where the task defines it, else acc, averaged over every
+    task that reports either, with the standard error of that mean as in mean_over_tasks; None when no
+    task reports an accuracy. {"value", "stderr", "tasks", "metrics": {task: metric used}}"""
+    used = {task: ("acc_norm" if "acc_norm" in s["metrics"] else "acc") for task, s in scores.items()
+            if {"acc", "acc_norm"} & set(s["metrics"])}
+    if not used:
+        return None
+    mean = mean_over_tasks({task: {"metrics": {"accuracy": scores[task]["metrics"][metric]}} for task, metric in used.items()})
+    return {**mean["accuracy"], "metrics": used}
+
+
 @contextlib.contextmanager
 def _quiet_harness():
     """The harness logs at INFO per task and warns per model object about launchers we do not use:

@@ -152,6 +152,16 @@ def test_mean_over_tasks_and_its_standard_error():
     assert rows[0] == ("a", "acc", "10", "50.0 ± 30.0") and ("mean over 2 tasks", "acc", "", "60.0 ± 25.0") in rows
 
 
+def test_accuracy_over_tasks_takes_acc_norm_where_a_task_defines_it():
+    scores = {"a": {"metrics": {"acc": {"value": 0.5, "stderr": 0.3}, "acc_norm": {"value": 0.6, "stderr": 0.1}}, "n": 10},
+              "b": {"metrics": {"acc": {"value": 0.7, "stderr": 0.4}}, "n": 10},
+              "c": {"metrics": {"perplexity": {"value": 12.0, "stderr": 1.0}}, "n": 10}}
+    head = Z.accuracy_over_tasks(scores)
+    assert head["metrics"] == {"a": "acc_norm", "b": "acc"}  # c reports no accuracy
+    assert head["stderr"] == pytest.approx((0.1 ** 2 + 0.4 ** 2) ** 0.5 / 2) and head["tasks"] == 2
+    assert Z.accuracy_over_tasks({"c": scores["c"]}) is None
+
+
 def test_lastword_accuracy_is_the_greedy_whole_word(trained_dir, bpe_tokenizer, offline):
     """laco_lastword's acc: every token of " target" is the model's argmax after the context (the
     harness's is_greedy); perplexity: exp of minus the mean log-likelihood of " target" per item;
