@@ -29,6 +29,7 @@ from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, sha256_tree
 from laco_deploy.progress import library_bar
+from laco_deploy.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +158,19 @@ def load_model(
     *,
     allow_pickle: bool = False,
     trust_remote_code: bool = False,
+    tokenizer: bool = True,
 ) -> LoadedModel:
-    """Load a causal LM on CPU in fp32 from any supported source. Stages move layers to the device."""
+    """Load a causal LM on CPU in fp32 from any supported source. Stages move layers to the device.
+    tokenizer=False: `.tokenizer` is None (a 262k vocabulary's costs ~130 MiB and seconds to build)."""
     source = resolve_source(spec)
     path = local_dir(source)
     if source.kind == HF_DIR:
-        model, tok = _load_hf_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+        model, tok = _load_hf_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
         return LoadedModel(model, tok, spec, source.kind, path)
     if source.kind == HUB:
-        model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=trust_remote_code)
+        model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=trust_remote_code, tokenizer=tokenizer)
         return LoadedModel(model, tok, spec, source.kind, path)
-    model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False)  # converted here: safetensors
+    model, tok = _load_hf_dir(path, allow_pickle=False, trust_remote_code=False, tokenizer=tokenizer)  # converted: safetensors
     return LoadedModel(model, tok, spec, source.kind, path, source.path)
 
 
@@ -216,8 +219,8 @@ def _check_hf_dir(path: Path, *, allow_pickle: bool | None, trust_remote_code: b
     return has_safetensors
 
 
-def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool, tokenizer: bool = True):
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     has_safetensors = _check_hf_dir(path, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     try:
@@ -232,7 +235,7 @@ def _load_hf_dir(path: Path, *, allow_pickle: bool, trust_remote_code: bool):
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float32, use_safetensors=has_safetensors, trust_remote_code=trust_remote_code
             )
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tok = load_tokenizer(path, trust_remote_code=trust_remote_code) if tokenizer else None
     except pickle.UnpicklingError as e:  # torch's weights-only loader met code, not plain tensors
         raise ModelError(f"the pickled weights in {path} hold more than tensors (objects torch will not load without "
                          "running code), so laco-deploy refuses them; use a safetensors copy of the model") from e

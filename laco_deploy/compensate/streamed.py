@@ -74,14 +74,14 @@ def resolve_offload(cfg: CompensateConfig, sparse_dir: Path, tokens: int) -> Com
 
 def open_models(model_cfg: ModelConfig, sparse_dir: Path, cfg: CompensateConfig, spill_dir: Path) -> Models:
     """Dense twin streamed; pruned model resident, or streamed (spilling to `spill_dir`) with offload disk."""
-    from transformers import AutoTokenizer
+    from laco_deploy.tokenizer import load_tokenizer
 
     dense, dense_lazy = open_dense(model_cfg)
     if cfg.offload == "disk" and cfg.method == "laco":
         if not _has_safetensors(sparse_dir):
             raise ModelError(f"{sparse_dir} has no *.safetensors; compensate.offload disk streams layers from safetensors files only")
         sparse_lazy = LazyModel.open(sparse_dir, spill_dir=spill_dir, rest=False)  # embeddings: only to embed the samples
-        tokenizer = AutoTokenizer.from_pretrained(sparse_dir, trust_remote_code=False)
+        tokenizer = load_tokenizer(sparse_dir)
         return Models(dense, sparse_lazy.model, tokenizer, dense_lazy, sparse_lazy)
     if cfg.method == "lora":
         log.info("the LoRA baseline trains the whole pruned model at once: it holds its %.2f GiB of fp32 weights in RAM "

@@ -232,10 +232,10 @@ def _split_candidates(candidates: dict[str, str | Path]) -> tuple[dict[str, Path
 
 
 def _tokenizer(dense_dir: Path, model_cfg: ModelConfig):
-    from transformers import AutoTokenizer
+    from laco_deploy.tokenizer import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(dense_dir, trust_remote_code=model_cfg.trust_remote_code)
+        return load_tokenizer(dense_dir, trust_remote_code=model_cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load the tokenizer of {dense_dir}: {e}") from e
 
@@ -295,7 +295,8 @@ def _zeroshot_loaders(model_cfg: ModelConfig, torch_cands: dict[str, Path], devi
     def loader(spec: str, **kw):
         return lambda: load_model(spec, **kw).model.to(device).eval()
 
-    kw = {"allow_pickle": model_cfg.allow_pickle, "trust_remote_code": model_cfg.trust_remote_code}
+    # every model is asked with the dense model's tokenizer, loaded once (tokenizer=False: none per model)
+    kw = {"allow_pickle": model_cfg.allow_pickle, "trust_remote_code": model_cfg.trust_remote_code, "tokenizer": False}
     return {DENSE: loader(model_cfg.model, **kw), **{label: loader(str(p), **kw) for label, p in torch_cands.items()}}
 
 

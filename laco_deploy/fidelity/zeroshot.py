@@ -1,7 +1,8 @@
 """Zero-shot accuracy through lm-evaluation-harness, on PyTorch models loaded one at a time.
 
-The harness is the engine: its HFLM wrapper takes our transformers model object (so structured-pruned
-models with per-layer widths, which `models.load_model` rebuilds, run as loaded) and the dense model's
+The harness is the engine: its HFLM wrapper (harness_lm.ContinuationLM: the LM head only where the
+harness reads logits) takes our transformers model object (so structured-pruned models with per-layer
+widths, which `models.load_model` rebuilds, run as loaded) and the dense model's
 tokenizer (every candidate is asked the same token sequences), and its evaluator scores the tasks
 (loglikelihood of each choice; acc, acc_norm and their standard errors). Tasks are built once
 (`tasks.load_tasks`) and scored with 0 few-shot examples for every model.
@@ -86,12 +87,13 @@ def evaluate_models(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, models: 
 
 def _evaluate_one(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, model) -> dict[str, dict[str, Any]]:
     from lm_eval.evaluator import evaluate
-    from lm_eval.models.huggingface import HFLM
+
+    from laco_deploy.fidelity.harness_lm import ContinuationLM
 
     with _quiet_harness():
         # add_bos_token left unset: contexts are encoded with the tokenizer's own special tokens (BOS where
-        # it adds one), as data.py's samples are
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=_batch_size(cfg, tokenizer))
+        # it adds one), as data.py's samples are; the LM head runs at the continuations' positions only
+        lm = ContinuationLM(pretrained=model, tokenizer=tokenizer, batch_size=_batch_size(cfg, tokenizer))
         for task in tasks.task_dict["tasks"].values():
             task.set_config(key="num_fewshot", value=0)
             task.set_fewshot_seed(seed=SEED)

@@ -82,7 +82,7 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
         loaded = load_model(model_cfg.model, allow_pickle=model_cfg.allow_pickle,
                             trust_remote_code=model_cfg.trust_remote_code)
         return _Source(loaded.model, loaded.tokenizer, loaded.source, None)
-    from transformers import AutoTokenizer
+    from laco_deploy.tokenizer import load_tokenizer
 
     source = resolve_source(model_cfg.model)
     if source.kind == HUB:
@@ -91,7 +91,7 @@ def _open_source(model_cfg: ModelConfig, offload: str, ckpt: Path) -> _Source:
     path = local_dir(source)
     lazy = LazyModel.open(path, spill_dir=distributed.rank_dir(ckpt / "spill"), rest=False)
     check_architecture(lazy.model.config)
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    tok = load_tokenizer(path, trust_remote_code=model_cfg.trust_remote_code)
     return _Source(lazy.model, tok, model_cfg.model, lazy)
 
 

@@ -40,13 +40,12 @@ def logit_agreement(ref: torch.Tensor, cand: torch.Tensor) -> dict[str, float]:
 
 def gguf_parity(model_dir: Path, gguf_path: Path, n_tokens: int = PARITY_TOKENS) -> dict[str, Any]:
     """llama.cpp vs PyTorch next-token logits on the same evaluation tokens, and tokenizer agreement."""
-    from transformers import AutoTokenizer
-
     from laco_deploy.runtimes.llamacpp import LlamaCppRunner
     from laco_deploy.data import evaluation_stream, load_texts
     from laco_deploy.engine.forward import model_logits
+    from laco_deploy.tokenizer import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=False)
+    tokenizer = load_tokenizer(model_dir)
     stream = evaluation_stream(tokenizer, "builtin", max_tokens=n_tokens)
     # the PyTorch reference runs on the layer engine (one decoder layer in memory), before llama.cpp loads
     ref = model_logits(model_dir, stream, torch.device("cpu"))
