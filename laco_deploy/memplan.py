@@ -19,13 +19,20 @@ from laco_deploy.config import CompensateConfig
 from laco_deploy.divergence import ROW_CHUNK
 from laco_deploy.engine.forward import HEAD_BLOCK_BYTES
 from laco_deploy.runtimes.llamacpp import LOGIT_BLOCK_BYTES
-from laco_deploy.sizing import (FP32, MIB, ZEROSHOT_TOKENS, activation_cache_bytes, embedding_rows_bytes, final_kl_terms,
-                                largest_rest, layer_batch_bytes, layer_step_terms, zeroshot_batch)
+from laco_deploy.sizing import (FP32, MIB, activation_cache_bytes, embedding_rows_bytes, final_kl_terms, largest_rest,
+                                layer_batch_bytes, layer_step_terms, zeroshot_logit_bytes)
 
 # A stage's process without the model: Python, torch, transformers, the tokenizer and calibration
 # text, llama.cpp's library where it loads, report rendering. Measured as the peak RSS of each stage
-# on a 7M-parameter model (benchmarks/scale_bench.py --sizes tiny) minus what the terms below add.
+# on a 7M-parameter model (benchmarks/scale_bench.py --sizes tiny) minus what the terms below add,
+# with SmolLM2's tokenizer (PROCESS_VOCAB tokens; scale_bench's models all use it).
 PROCESS_BYTES = {"prune": 460 * MIB, "compensate": 455 * MIB, "export": 575 * MIB, "fidelity": 655 * MIB}
+PROCESS_VOCAB = 49152
+# Another vocabulary moves every stage's process by what its tokenizer holds: loaded after the stack's
+# imports (tokenizer.load_tokenizer), SmolLM2's took +92 MiB, Gemma 3's 262,144 tokens +132 MiB
+# (+276 before the Python copies were dropped; benchmarks/RESULTS.md, "Gemma 3's zero-shot phase"):
+# the slope between the two, per token.
+PROCESS_BYTES_PER_TOKEN = 197
 LLAMA_CPP_BYTES = 40 * MIB  # llama.cpp's buffers besides the weights and the logits
 Q8_0_BYTES = 34 / 32  # bytes per weight of a Q8_0 tensor (32 int8 + an fp16 scale)
 
@@ -84,6 +91,11 @@ class StageEstimate:
     terms: dict[str, int] = field(default_factory=dict)  # what the host estimate adds up
 
 
+def _process(stage: str, w: dict[str, int]) -> dict[str, int]:
+    """The stage's process without the model, at this model's vocabulary."""
+    return {"process": PROCESS_BYTES[stage] + PROCESS_BYTES_PER_TOKEN * (w["vocab"] - PROCESS_VOCAB)}
+
+
 def _stage(name: str, phases: dict[str, dict[str, int]], device: dict[str, int]) -> StageEstimate:
     """A stage's estimate from its phases (what is alive together); the host peak is the largest
     phase, and `terms` are that phase's parts."""
@@ -94,7 +106,7 @@ def _stage(name: str, phases: dict[str, dict[str, int]], device: dict[str, int])
 def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
     cache = job.calib_samples * job.seqlen * w["hidden"] * FP32
     work = {"scores": 3 * w["linear_max"], "batch": layer_batch_bytes(w, job.prune_batch * job.seqlen)}
-    process = {"process": PROCESS_BYTES["prune"]}
+    process = _process("prune", w)
     if job.prune_offload != "disk":
         return _stage("prune", {"layers": {**process, "weights": w["total"], "activations": cache, **work}},
                       {"layer": w["layer_max"], **work})
@@ -123,7 +135,7 @@ def _final_kl_phases(w: dict[str, int], job: Workload, process: dict[str, int]) 
 def estimate_compensate(w: dict[str, int], job: Workload) -> StageEstimate:
     cache = activation_cache_bytes(w, job.compensate_samples, job.compensate_seqlen)
     train = layer_step_terms(w, job.compensate_batch * job.compensate_seqlen, job.compensate_dense_twin)
-    process = {"process": PROCESS_BYTES["compensate"]}
+    process = _process("compensate", w)
     device = {"layer": w["layer_max"], **train}
     # each layer's outputs overwrite its inputs (engine.walk): one sparse cache, one dense cache, and
     # the dense inputs besides where the step reads them
@@ -144,7 +156,7 @@ def estimate_export(w: dict[str, int], job: Workload) -> StageEstimate:
     and a block of the head, the logits), then llama.cpp with the whole file mapped. On CPU."""
     tensor = max(w["linear_max"], w["embed"], w["head"])
     logits = job.parity_tokens * w["vocab"] * FP32
-    process = {"process": PROCESS_BYTES["export"]}
+    process = _process("export", w)
     return _stage("export", {
         "write": {**process, "tensor + packed": tensor + int(tensor / FP32 * Q8_0_BYTES)},
         "torch parity": {**process, "embedding rows or layer": max(embedding_rows_bytes(w, job.parity_tokens),
@@ -162,14 +174,13 @@ def estimate_fidelity(w: dict[str, int], job: Workload) -> StageEstimate:
     caches = (1 + job.torch_candidates) * cache
     logits = job.seqlen * w["vocab"] * FP32
     compare = 4 * ROW_CHUNK * w["vocab"] * 8  # float64 log-softmax chunks of both models
-    process = {"process": PROCESS_BYTES["fidelity"]}
+    process = _process("fidelity", w)
     phases = {"embed": {**process, "embedding rows": embedding_rows_bytes(w, job.eval_windows * job.seqlen), "caches": caches},
               "layers": {**process, "caches": caches, "layer": w["layer_max"]},
               "logits": {**process, "caches": caches, "head block": HEAD_BLOCK_BYTES, "logits": 2 * logits,
                          "compare": compare}}
     if job.zeroshot:  # one whole fp32 model at a time in the harness
-        phases["zero-shot"] = {**process, "model": w["total"],
-                               "task logits": 2 * zeroshot_batch(job.zeroshot_batch, w["vocab"]) * ZEROSHOT_TOKENS * w["vocab"] * FP32}
+        phases["zero-shot"] = {**process, "model": w["total"], "task logits": zeroshot_logit_bytes(job.zeroshot_batch, w["vocab"])}
     if job.runtime_candidates:
         phases["runtime"] = {**process, "cache": cache, "head block": HEAD_BLOCK_BYTES, "gguf file": gguf_bytes(w),
                              "llama.cpp": LLAMA_CPP_BYTES + min(logits, LOGIT_BLOCK_BYTES), "logits": 2 * logits,

@@ -23,6 +23,9 @@ ZEROSHOT_TOKENS = 192
 # ZEROSHOT_TOKENS tokens, stay within this, at most 4 sequences: 4 at SmolLM2's 49k vocabulary, 1 at Gemma 3's
 # 262k (where 4 grew the process by 2.1 GiB)
 ZEROSHOT_LOGIT_BYTES, ZEROSHOT_MAX_BATCH = 320 * MIB, 4
+# one sequence per harness call: the LM head runs on the longest continuation's positions only
+# (fidelity/harness_lm.py): a word or an answer choice, a few to a few tens of tokens
+ZEROSHOT_TAIL_TOKENS = 64
 
 
 def weight_bytes(model) -> dict[str, int]:
@@ -71,6 +74,14 @@ def zeroshot_batch(setting: int | None, vocab: int) -> int:
     if setting is not None:
         return setting
     return max(1, min(ZEROSHOT_MAX_BATCH, ZEROSHOT_LOGIT_BYTES // (2 * ZEROSHOT_TOKENS * vocab * FP32)))
+
+
+def zeroshot_logit_bytes(setting: int | None, vocab: int) -> int:
+    """The harness's logits and their log-softmax per call: [batch, ZEROSHOT_TOKENS, vocab] for a batch
+    of several sequences, [1, ZEROSHOT_TAIL_TOKENS, vocab] for one (harness_lm.ContinuationLM)."""
+    batch = zeroshot_batch(setting, vocab)
+    tokens = ZEROSHOT_TAIL_TOKENS if batch == 1 else batch * ZEROSHOT_TOKENS
+    return 2 * tokens * vocab * FP32
 
 
 def embedding_rows_bytes(w: dict[str, int], tokens: int) -> int:

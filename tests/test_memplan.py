@@ -9,8 +9,8 @@ import json
 import torch
 
 from laco_deploy.config import BuildConfig
-from laco_deploy.memplan import Workload, estimate_build
-from laco_deploy.sizing import FP32, model_bytes, zeroshot_batch
+from laco_deploy.memplan import PROCESS_BYTES, Workload, estimate_build
+from laco_deploy.sizing import FP32, MIB, ZEROSHOT_TAIL_TOKENS, ZEROSHOT_TOKENS, model_bytes, zeroshot_batch
 
 
 def test_weight_sizes_from_the_config(tiny_llama_dir, tiny_llama_untied_dir):
@@ -96,6 +96,22 @@ def test_zero_shot_row_counts_one_model_and_its_batch_of_logits(tiny_llama_dir):
     assert job.zeroshot and job.zeroshot_batch == cfg.fidelity.task_batch_size
     quiet = dataclasses.replace(cfg, fidelity=dataclasses.replace(cfg.fidelity, tasks=()))
     assert not Workload.of_build(quiet, torch.device("cpu")).zeroshot
+
+
+def test_the_process_grows_with_the_vocabulary_and_one_sequence_costs_its_continuation(tiny_llama_dir):
+    """PROCESS_BYTES were measured with SmolLM2's 49,152-token tokenizer: there they are taken as they are.
+    Gemma 3's 262,144 tokens add what its tokenizer was measured to hold beyond that one's (40 MiB), in
+    every stage. With one sequence per harness call (Gemma 3's default) the task logits are those of the
+    longest continuation, not of the whole request (fidelity/harness_lm.py)."""
+    small = {"eval_windows": 1, "torch_candidates": 0, "runtime_candidates": 0}
+    w = {**model_bytes(tiny_llama_dir), "total": 2**30}  # a whole model of 1 GiB: zero-shot is the fidelity peak
+    smollm2 = {e.stage: e for e in estimate_build({**w, "vocab": 49152}, _job(zeroshot=True, **small))}
+    gemma3 = {e.stage: e for e in estimate_build({**w, "vocab": 262144}, _job(zeroshot=True, **small))}
+    for stage, est in smollm2.items():
+        assert est.terms["process"] == PROCESS_BYTES[stage]
+        assert 35 * MIB < gemma3[stage].terms["process"] - PROCESS_BYTES[stage] < 45 * MIB
+    assert gemma3["fidelity"].terms["task logits"] == 2 * ZEROSHOT_TAIL_TOKENS * 262144 * FP32  # [1, tail, vocab] + log-softmax
+    assert smollm2["fidelity"].terms["task logits"] == 2 * 4 * ZEROSHOT_TOKENS * 49152 * FP32  # 4 right-padded sequences: all positions
 
 
 def test_build_workload_follows_the_config():
