@@ -37,6 +37,7 @@ from laco_deploy import families
 from laco_deploy.artifacts import ExportResult
 from laco_deploy.errors import ExportError, LacoError
 from laco_deploy.fsutil import atomic_dir
+from laco_deploy.memory import trim_heap
 from laco_deploy.targets import ONNX
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,9 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     reference = check.reference(model, tokenizer) if check is not None else None
     with atomic_dir(out_dir) as tmp:
         proto = _build_graph(model, quant, notes, tmp / MODEL_FILE)
-        del model  # not needed any more: the weights are in the graph
+        del model  # not needed any more: the weights are in the graph (and emptied: see _build_graph)
         gc.collect()
+        trim_heap()  # hand the tracer's freed blocks back before onnxruntime loads the weights again
         _add_metadata(proto, config, quant, sparse_storage, metadata)
         dense_bytes = _save(proto, tmp / MODEL_FILE)
         del proto  # the weights are on disk now; the check and sparse storage read them back from there
@@ -127,12 +129,13 @@ def _load(model_dir: Path):
 
 def _build_graph(model, quant: str, notes: list[str], path: Path):
     """Trace the model in the requested precision into `path` (+ its data file) -> onnx.ModelProto:
-    the graph with its weights on disk (int8: quantized, its weights in memory)."""
+    the graph with its weights on disk (int8: quantized, its weights in memory). Consumes `model`:
+    the traced model's parameters are emptied afterwards (onnx_graph.empty_weights)."""
     import copy
 
     import onnx
 
-    from exporters.onnx_graph import trace
+    from exporters.onnx_graph import empty_weights, trace
 
     traced = copy.deepcopy(model).half() if quant == "fp16" else model
     log.info("tracing %s with torch.onnx.export(dynamo=True)", type(model).__name__)
@@ -143,6 +146,7 @@ def _build_graph(model, quant: str, notes: list[str], path: Path):
         raise ExportError(f"torch.onnx.export failed for {type(model).__name__} ({first}); "
                           "check the model loads in transformers and report the architecture") from e
     finally:
+        empty_weights(traced)  # the exporter keeps references to it: let them pin no weights (issue 33)
         del traced
     if quant == "int8":  # onnxruntime's quantizer works on the whole model in memory
         onnx.load_external_data_for_model(proto, str(path.parent))

@@ -206,11 +206,12 @@ def test_design_notes_draw_these_floors():
     assert floors_drawing() in design, "re-draw the floors in docs/DESIGN.md: python tests/test_import_graph.py"
 
 
-# What exporters/ may use from laco_deploy: contracts, errors, files, format tables and the model
-# loader (the ONNX exporter traces a loaded model). Runners, data, the engine and the parity
+# What exporters/ may use from laco_deploy: contracts, errors, files, format tables, the model
+# loader (the ONNX exporter traces a loaded model) and memory (it trims the heap after tracing). Runners, data, the engine and the parity
 # checks stay out, so an exporter is tested alone; targets.py hands it its runtime check.
 EXPORTER_MAY_IMPORT = {"laco_deploy", "laco_deploy.artifacts", "laco_deploy.errors", "laco_deploy.families",
-                       "laco_deploy.fsutil", "laco_deploy.models", "laco_deploy.structured", "laco_deploy.targets"}
+                       "laco_deploy.fsutil", "laco_deploy.memory", "laco_deploy.models", "laco_deploy.structured",
+                       "laco_deploy.targets"}
 
 
 def test_exporters_import_nothing_that_runs_models():

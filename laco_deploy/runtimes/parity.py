@@ -90,6 +90,7 @@ def onnx_reference(model, tokenizer) -> OnnxReference:
 def onnx_compare(ref: OnnxReference, tokenizer, folder: Path) -> dict:
     """Logit parity (prefill + decode) and greedy-text match of the ONNX export in `folder` against
     the PyTorch reference; onnxruntime-genai too where the folder claims to run there."""
+    from laco_deploy.memory import trim_heap
     from laco_deploy.runtimes.onnxrt import OrtDecoder
 
     decoder = OrtDecoder(folder, device="cpu")
@@ -98,6 +99,7 @@ def onnx_compare(ref: OnnxReference, tokenizer, folder: Path) -> dict:
         greedy = greedy_match(ref.greedy, decoder, ref.tokens[:GREEDY_PROMPT])
     finally:
         del decoder
+    trim_heap()  # the session's freed weights go back to the OS before onnxruntime-genai loads them (issue 33)
     out = {"parity": parity, "greedy": greedy, "provider": "CPUExecutionProvider"}
     if (folder / GENAI_FILE).is_file():  # the folder also claims to run in onnxruntime-genai: prove it
         from laco_deploy.data import load_texts
@@ -123,17 +125,17 @@ def logit_parity(ref: np.ndarray, decoder, tokens: torch.Tensor, prefill: int) -
     """ref [n, vocab]: PyTorch's logits (no cache); decoder: laco_deploy.runtimes.onnxrt.OrtDecoder;
     tokens [n = prefill + decode] int64 -> max |diff| and top-1 agreement, prefill and decode apart."""
     ids = tokens.numpy().astype(np.int64)
-    pre_logits, past = decoder.prefill(ids[:prefill])  # [prefill, vocab]
-    steps = []
+    got = np.empty(ref.shape, dtype=np.float32)  # [n, vocab], filled in place: no concatenated copy
+    got[:prefill], past = decoder.prefill(ids[:prefill])
     for pos in range(prefill, ids.shape[0]):
-        step_logits, past = decoder.step(int(ids[pos]), pos, past)
-        steps.append(step_logits)
-    got = np.concatenate([pre_logits, np.stack(steps)]) if steps else pre_logits
-    diff = np.abs(got - ref)
+        got[pos], past = decoder.step(int(ids[pos]), pos, past)
+    del past
     top1 = got.argmax(-1) == ref.argmax(-1)
+    diff = np.abs(np.subtract(got, ref, out=got), out=got)  # |got - ref|, in got's memory
+    steps = ids.shape[0] - prefill
     return {
         "prefill_tokens": int(prefill),
-        "decode_steps": len(steps),
+        "decode_steps": steps,
         "max_abs_logit_diff": float(diff.max()),
         "max_abs_diff_prefill": float(diff[:prefill].max()),
         "max_abs_diff_decode": float(diff[prefill:].max()) if steps else None,
