@@ -56,29 +56,34 @@ class LayerStack:
             trim_heap()
 
     @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, keep: bool, start: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, hidden: torch.Tensor, keep: bool, start: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden [b, seq, hidden], the input of layer `start`, through it and every later layer ->
-        (last hidden, each of those layers' input if `keep`)."""
-        saved = []
+        (last hidden, if `keep` each of those layers' input [layers - start, b, seq, hidden]).
+        The inputs are copied into one buffer allocated up front: kept as the layers' own outputs,
+        each would sit between that layer's freed temporaries, and the heap grew by a layer's
+        temporaries per layer (+12 MiB per SmolLM2-135M layer, resident for the whole pass)."""
+        saved = hidden.new_empty((len(self) - start, *hidden.shape)) if keep else None
         for i in range(start, len(self)):
             layer = self.open(i)
-            if keep:
-                saved.append(hidden)
+            if saved is not None:
+                saved[i - start].copy_(hidden)
             with self.amp():
                 hidden = call_layer(layer, hidden, self.kwargs[i])
+            if saved is not None and hidden.dtype != saved.dtype:
+                raise AssertionError(f"layer {i} changed the hidden states' dtype ({saved.dtype} -> {hidden.dtype})")
             self.close(i, changed=False)
         return hidden, saved
 
-    def backward(self, saved: list[torch.Tensor], grad: torch.Tensor, attach: Callable[[int, torch.nn.Module], None],
+    def backward(self, saved: torch.Tensor, grad: torch.Tensor, attach: Callable[[int, torch.nn.Module], None],
                  detach: Callable[[int, torch.nn.Module], None], start: int = 0) -> None:
         """Backpropagate `grad` (d loss / d last hidden) layer by layer down to layer `start`,
-        recomputing each layer from its input in `saved` (emptied as it goes); `attach(i, layer)`
+        recomputing each layer from its input in `saved` (forward's buffer); `attach(i, layer)`
         readies layer i's weights to step in the backward (distill.StepInBackward), `detach` puts
         them back to rest."""
         for i in reversed(range(start, len(self))):
             layer = self.open(i)
             attach(i, layer)
-            x = saved.pop().detach().requires_grad_(i > start)
+            x = saved[i - start].detach().requires_grad_(i > start)
             with torch.enable_grad(), self.amp():
                 out = call_layer(layer, x, self.kwargs[i])
             out.backward(grad.to(out.dtype))
