@@ -82,6 +82,22 @@ def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> None:
         _glibc("mallopt", _M_MMAP_THRESHOLD, threshold)
 
 
+@contextlib.contextmanager
+def mapped_allocations(threshold: int):
+    """Within the block, allocations of `threshold` bytes and more get their own mappings; after it,
+    MMAP_THRESHOLD again (map_large_allocations). For code that makes long-lived small objects between
+    large short-lived ones: from the heap, the large ones would leave holes that the small ones keep
+    resident. Does nothing where the user set MALLOC_MMAP_THRESHOLD_."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        yield
+        return
+    _glibc("mallopt", _M_MMAP_THRESHOLD, threshold)
+    try:
+        yield
+    finally:
+        _glibc("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def release_memory() -> None:
     """Collect garbage and trim the heap, so that what one stage loaded does not stay in the
     process's footprint for the next."""

@@ -40,3 +40,20 @@ def test_large_freed_buffers_leave_the_footprint():
 
     assert released("mapped") > 20  # the 24 MiB buffer was its own mapping
     assert released("default") < 4  # without it the freed pages stay resident (what the build saw)
+
+
+def test_mapped_allocations_sets_then_restores_the_threshold(monkeypatch):
+    from laco_deploy import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "_glibc", lambda fn, *args: calls.append((fn, *args)))
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    with pytest.raises(RuntimeError), memory.mapped_allocations(2**20):
+        assert calls == [("mallopt", memory._M_MMAP_THRESHOLD, 2**20)]
+        raise RuntimeError  # restored on the way out of a failing block too
+    assert calls[-1] == ("mallopt", memory._M_MMAP_THRESHOLD, memory.MMAP_THRESHOLD) and len(calls) == 2
+    calls.clear()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # the user's own setting wins
+    with memory.mapped_allocations(2**20):
+        pass
+    assert calls == []

@@ -84,3 +84,25 @@ def test_bounded_pass_equals_a_whole_model_pass(tiny_llama_dir, sparse_unstructu
         assert torch.equal(a[k] == 0, b[k] == 0), k
     assert not torch.equal(a["model.layers.0.mlp.down_proj.weight"],
                            load_model(str(sparse_unstructured_dir)).model.state_dict()["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_only_the_first_step_maps_its_allocations(tiny_llama_dir, sparse_unstructured_dir, monkeypatch):
+    """The first step makes the optimizer state between the backward's temporaries (distill._train)."""
+    entered = []
+
+    @contextlib.contextmanager
+    def record(threshold):
+        entered.append(threshold)
+        yield
+
+    monkeypatch.setattr(distill, "mapped_allocations", record)
+    dense, pruned = load_model(str(tiny_llama_dir)), load_model(str(sparse_unstructured_dir))
+    model = pruned.model
+    ids = calibration_samples(pruned.tokenizer, "builtin", 12, 32, 0)
+    teacher = distill.dense_teacher(dense.model, None, capture_layer_inputs(model, ids, CPU), CPU, 4, None)
+    inputs = capture_layer_inputs(model, ids, CPU)
+    cfg = CompensateConfig(final_kl_optimizer="adafactor", batch_size=4, precision="fp32")
+    final = distill.final_kl(model, inputs.hidden, teacher, cfg, PRUNABLE_LINEARS, (torch.arange(8), torch.arange(8, 12)),
+                             device=CPU, kwargs=inputs.kwargs_per_layer(len(decoder_layers(model)), CPU), seed=0,
+                             shard=distributed.shard(12), restore=lambda i, layer: None)
+    assert final["steps"] > 1 and entered == [distill.FIRST_STEP_MMAP]
