@@ -88,14 +88,11 @@ def mapped_allocations(threshold: int):
     MMAP_THRESHOLD again (map_large_allocations). For code that makes long-lived small objects between
     large short-lived ones: from the heap, the large ones would leave holes that the small ones keep
     resident. Does nothing where the user set MALLOC_MMAP_THRESHOLD_."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        yield
-        return
-    _glibc("mallopt", _M_MMAP_THRESHOLD, threshold)
+    map_large_allocations(threshold)
     try:
         yield
     finally:
-        _glibc("mallopt", _M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        map_large_allocations()
 
 
 def release_memory() -> None:

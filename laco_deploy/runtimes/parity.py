@@ -23,6 +23,7 @@ import torch
 
 from exporters.onnx_genai import GENAI_FILE
 from laco_deploy.divergence import token_kl
+from laco_deploy.memory import trim_heap
 
 PARITY_TOKENS = 128  # GGUF: tokens of evaluation text compared right after export (a fixed check, not a setting)
 PARITY_PREFILL, PARITY_DECODE = 128, 16  # ONNX: evaluation tokens prefilled, then decoded one by one
@@ -90,7 +91,6 @@ def onnx_reference(model, tokenizer) -> OnnxReference:
 def onnx_compare(ref: OnnxReference, tokenizer, folder: Path) -> dict:
     """Logit parity (prefill + decode) and greedy-text match of the ONNX export in `folder` against
     the PyTorch reference; onnxruntime-genai too where the folder claims to run there."""
-    from laco_deploy.memory import trim_heap
     from laco_deploy.runtimes.onnxrt import OrtDecoder
 
     decoder = OrtDecoder(folder, device="cpu")
