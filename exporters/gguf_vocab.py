@@ -250,7 +250,9 @@ def _write_llama_vocab(writer, tokens, scores, types, tok_json: dict | None) -> 
 
 
 def _space_prefix(tok_json: dict | None) -> bool | None:
-    """Whether a leading '▁' is prepended (Metaspace prepend_scheme or a Prepend normalizer)."""
+    """Whether a leading '▁' is prepended (Metaspace prepend_scheme or a Prepend normalizer); None
+    without tokenizer.json. Said either way: llama.cpp's default for this vocabulary is to prepend,
+    which for Gemma's (a Replace normalizer, nothing prepended) shifted every first word."""
     if not tok_json:
         return None
     pre = tok_json.get("pre_tokenizer") or {}
@@ -262,7 +264,7 @@ def _space_prefix(tok_json: dict | None) -> bool | None:
     for step in norm.get("normalizers", [norm]):
         if step.get("type") == "Prepend":
             return True
-    return None if pre or norm else False
+    return False
 
 
 def _observed_special_tokens(tok) -> tuple[bool, bool]:

@@ -16,6 +16,17 @@ SPARSITY_FILE = "sparsity.json"  # written beside a pruned or compensated model:
 SOURCE_FILE = "laco_source.json"  # {"gguf": path} in a model folder: the GGUF it came from (the GGUF exporter reuses its tokenizer)
 
 
+def record_gguf_source(folder: Path, gguf: Path) -> None:
+    """Name `gguf` in folder's SOURCE_FILE unless it already does: a conversion cache (keyed by name,
+    size and time) made from a copy since moved or deleted then points at the copy at hand, and the
+    GGUF exporter keeps reusing that file's tokenizer instead of rebuilding one from the HF files."""
+    marker, text = Path(folder) / SOURCE_FILE, json.dumps({"gguf": str(Path(gguf).resolve())})
+    if not marker.is_file() or marker.read_text() != text:
+        tmp = marker.with_name(marker.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(marker)
+
+
 def checkpoint_dir(out_dir: Path) -> Path:
     """Sibling folder of a stage's output holding per-layer checkpoints while the run is in progress."""
     out_dir = Path(out_dir)

@@ -1,8 +1,11 @@
 """Peak-memory and wall-time measurement for a stage or a layer, on CPU and CUDA.
 
-CUDA: peak bytes allocated by torch on the device. CPU: the process's peak resident set
-(VmHWM), which Linux lets us reset through /proc/self/clear_refs so each measurement starts
-from the current footprint; `peak_delta_bytes` is the growth above the footprint at entry.
+CUDA: peak bytes allocated by torch on the device. CPU: the peak resident set of the process
+within the block. Where the block raised the process's all-time peak (VmHWM) that mark is exact;
+otherwise the peak is the largest resident set sampled every SAMPLE_S by one background thread.
+The kernel's mark is never reset (/proc/self/clear_refs): resetting it also lowers the process's
+ru_maxrss, so `/usr/bin/time -v` would report the last stage's peak instead of the build's.
+`peak_delta_bytes` is the growth above the footprint at entry.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import gc
 import os
 import resource
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,8 +35,15 @@ def proc_bytes(path: str, key: str) -> int | None:
     return None
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def current_rss_bytes() -> int:
-    return proc_bytes("/proc/self/status", "VmRSS") or 0
+    """Resident set now: /proc/self/statm (cheaper than /proc/self/status, read every SAMPLE_S)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return proc_bytes("/proc/self/status", "VmRSS") or 0
 
 
 def _peak_rss_bytes() -> int:
@@ -43,12 +54,48 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
-def _reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # 5 resets the peak RSS (VmHWM)
-        return True
-    except OSError:
-        return False
+SAMPLE_S = 0.02  # RSS sampling period while a measurement is open (a read of statm costs ~20 us)
+
+
+class _RssSampler:
+    """One daemon thread that, while any measurement is open, samples the resident set every SAMPLE_S
+    and raises each open measurement's running maximum. It sleeps when none is open."""
+
+    def __init__(self):
+        self._open: dict[int, list[int]] = {}  # id -> [max sampled bytes]
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> list[int]:
+        box = [current_rss_bytes()]
+        with self._wake:
+            self._open[id(box)] = box
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="laco-rss-sampler", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return box
+
+    def close(self, box: list[int]) -> int:
+        with self._wake:
+            self._open.pop(id(box), None)
+        box[0] = max(box[0], current_rss_bytes())
+        return box[0]
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._open:
+                    self._wake.wait()
+                boxes = list(self._open.values())
+            rss = current_rss_bytes()
+            for box in boxes:
+                if rss > box[0]:
+                    box[0] = rss
+            time.sleep(SAMPLE_S)
+
+
+_SAMPLER = _RssSampler()
 
 
 def trim_heap() -> None:
@@ -106,7 +153,7 @@ def release_memory() -> None:
 class Measurement:
     device: str = "cpu"
     wall_s: float = 0.0
-    peak_bytes: int = 0  # CUDA: max allocated; CPU: peak RSS of the process
+    peak_bytes: int = 0  # CUDA: max allocated; CPU: peak RSS of the process within the block
     peak_delta_bytes: int = 0  # peak above the footprint at entry
     kind: str = field(default="rss")  # "cuda_max_allocated" | "rss"
 
@@ -131,8 +178,9 @@ def measure(device: torch.device | str = "cpu"):
         base = torch.cuda.memory_allocated(device)
         m.kind = "cuda_max_allocated"
     else:
-        _reset_peak_rss()
-        base = current_rss_bytes()
+        mark_at_entry = _peak_rss_bytes()
+        sampled = _SAMPLER.open()
+        base = sampled[0]
     t0 = time.perf_counter()
     try:
         yield m
@@ -141,6 +189,10 @@ def measure(device: torch.device | str = "cpu"):
             torch.cuda.synchronize(device)
             m.peak_bytes = torch.cuda.max_memory_allocated(device)
         else:
-            m.peak_bytes = _peak_rss_bytes()
+            highest_sampled = _SAMPLER.close(sampled)
+            mark = _peak_rss_bytes()
+            # A new all-time mark was set inside the block: it is its exact peak. Otherwise the
+            # block stayed below an earlier stage's peak and only the samples can tell its own.
+            m.peak_bytes = mark if mark > mark_at_entry else highest_sampled
         m.peak_delta_bytes = max(0, m.peak_bytes - base)
         m.wall_s = time.perf_counter() - t0

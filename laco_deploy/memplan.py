@@ -120,15 +120,17 @@ def estimate_prune(w: dict[str, int], job: Workload) -> StageEstimate:
 
 def _final_kl_phases(w: dict[str, int], job: Workload, process: dict[str, int]) -> dict[str, dict[str, int]]:
     """The pass's phases: the dense twin walked alone over its samples (two caches, one layer), then
-    the pass (its samples' embeddings and the teacher). A streamed model holds one layer and the head."""
+    the pass (the teacher, and a streamed model's samples' embeddings: a resident one embeds each batch
+    when asked). A streamed model holds one layer and the head."""
     kl_cache = job.compensate_kl_samples * job.compensate_seqlen * w["hidden"] * FP32
     model = ({"pruned model": w["total"]} if job.compensate_offload != "disk" else
              {"layer": w["layer_max"], "norm + head": largest_rest(w)})
     tokens = (job.compensate_final_kl_batch or job.compensate_batch) * job.compensate_seqlen
     teacher = {**process, **model, "dense layer": w["layer_max"], "activations": kl_cache,
                "batch": layer_batch_bytes(w, job.compensate_batch * job.compensate_seqlen)}
-    train = {**process, **model, "pass caches": 2 * kl_cache,
-             **final_kl_terms(w, tokens, job.compensate_kl_optimizer, on_disk=job.compensate_offload == "disk")}
+    streamed = job.compensate_offload == "disk"
+    train = {**process, **model, "pass caches": (2 if streamed else 1) * kl_cache,
+             **final_kl_terms(w, tokens, job.compensate_kl_optimizer, on_disk=streamed)}
     return {"final KL teacher": teacher, "final KL": train}
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from laco_deploy import distributed, families, modelcheck, structured
-from laco_deploy.artifacts import SOURCE_FILE
+from laco_deploy.artifacts import SOURCE_FILE, record_gguf_source
 from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, sha256_tree
@@ -266,6 +266,7 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     """Dequantize a GGUF file into a cached safetensors directory once; return that directory."""
     target = _gguf_cache_path(gguf)
     if _is_converted(target):
+        record_gguf_source(target, gguf)
         return target
     modelcheck.check_gguf_readable(gguf)  # before the "converting" line: a corrupt file is one error, not a false start
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -287,7 +288,7 @@ def ensure_gguf_converted(gguf: Path) -> Path:
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf)}))
+        record_gguf_source(tmp, gguf)
     return target
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from laco_deploy.budget import explain
 from laco_deploy.fidelity.gates import verdict
-from laco_deploy.fidelity.verdicts import gaps_withheld, worse_than_pruned
+from laco_deploy.fidelity.verdicts import gaps_withheld, worse_domains, worse_than_pruned
 
 
 def _median(v: Any) -> Any:
@@ -111,13 +111,16 @@ def _domain_summary(fid: dict[str, Any]) -> dict[str, Any]:
     pruned = ppl.get("pruned", {})
     withheld = gaps_withheld(fid)
     worse = worse_than_pruned(fid.get("candidates") or {})
+    worse_here = worse_domains(fid.get("candidates") or {})
     for label, row in ppl.items():
         if label in ("dense", "pruned") or withheld or label in worse:
             continue
         gap[label] = {d: (pruned[d] - p) / (pruned[d] - ppl["dense"][d]) for d, p in row.items()
-                      if p is not None and pruned.get(d) is not None and pruned[d] != ppl["dense"][d]}
+                      if p is not None and pruned.get(d) is not None and pruned[d] != ppl["dense"][d]
+                      and d not in worse_here.get(label, {})}
     in_domain = [d["label"] for d in (fid.get("settings") or {}).get("domains", []) if d.get("in_domain")]
-    return {"ppl_by_domain": ppl, "gap_closed_by_domain": gap, "in_domain": in_domain, "gap_withheld": withheld}
+    return {"ppl_by_domain": ppl, "gap_closed_by_domain": gap, "worse_by_domain": worse_here, "in_domain": in_domain,
+            "gap_withheld": withheld}
 
 
 def verdict_lines(summary: dict[str, Any]) -> list[str]:
@@ -136,7 +139,7 @@ def domain_lines(summary: dict[str, Any]) -> list[str]:
         return []
     inside = set(summary.get("in_domain") or [])
     domains.sort(key=lambda d: d not in inside)  # in-domain first
-    gap = summary.get("gap_closed_by_domain") or {}
+    gap, worse_here = summary.get("gap_closed_by_domain") or {}, summary.get("worse_by_domain") or {}
     rows = [["model"] + [d + (" (in)" if d in inside else " (out)") for d in domains]]
     for label, row in ppl.items():
         cells = []
@@ -144,6 +147,8 @@ def domain_lines(summary: dict[str, Any]) -> list[str]:
             cell = _fmt(row.get(d))
             if d in gap.get(label, {}):
                 cell += f" ({gap[label][d]:.0%})"
+            elif d in worse_here.get(label, {}):
+                cell += " (WORSE)"
             cells.append(cell)
         rows.append([label] + cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -153,6 +158,8 @@ def domain_lines(summary: dict[str, Any]) -> list[str]:
         lines.append("no gap-closed shares: PyTorch and the runtime disagree on the dense model (above)")
     lines += [f"no gap-closed share for {label}: it is {why}" for label, why in (summary.get("worse_than_pruned") or {}).items()
               if label in ppl]
+    lines += [f"{label} is WORSE than pruned on {d}: {why}" for label, per in worse_here.items() if label in ppl
+              for d, why in per.items()]
     for n, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
         if n == 0:

@@ -57,3 +57,33 @@ def test_mapped_allocations_sets_then_restores_the_threshold(monkeypatch):
     with memory.mapped_allocations(2**20):
         pass
     assert calls == []
+
+
+STAGES = """
+import resource, time
+import numpy as np
+from laco_deploy.memory import measure
+def hold(mib, seconds):
+    buf = np.ones(mib * 2**18, dtype=np.float32)  # touched: resident
+    time.sleep(seconds)
+    del buf
+with measure() as high:
+    hold(200, 0.05)
+with measure() as outer:
+    with measure() as low:  # stays below the first stage's peak: only the sampler sees it
+        hold(60, 0.3)
+print(high.peak_bytes, low.peak_bytes, low.peak_delta_bytes, outer.peak_bytes,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and ru_maxrss in KiB")
+def test_stage_peaks_agree_with_the_kernels_and_never_reset_it():
+    """A stage that sets the process's peak reports the kernel's mark, which `/usr/bin/time -v` reads
+    at exit; a later, smaller stage reports its own peak (sampled) without lowering that mark."""
+    out = subprocess.run([sys.executable, "-c", STAGES], capture_output=True, text=True, check=True)
+    high, low, low_delta, outer, maxrss = (int(v) for v in out.stdout.split())
+    mib = 2**20
+    assert abs(high - maxrss) <= 8 * mib  # the first stage's peak is the process's
+    assert 50 * mib <= low_delta <= 80 * mib and low < high - 100 * mib  # its own 60 MiB, not the earlier peak
+    assert outer >= low  # nested measurements see the inner block's peak too

@@ -43,7 +43,7 @@ from laco_deploy.compensate.optstate import LayerStates
 from laco_deploy.compensate.streamed import RAM_SHARE
 from laco_deploy.compensate.train import amp_dtype, autocast_ctx, cosine_lr, make_adamw
 from laco_deploy.config import CompensateConfig
-from laco_deploy.engine import Lane, LayerInputs, WalkOptions, walk_layers
+from laco_deploy.engine import EmbeddedOnDemand, Lane, LayerInputs, WalkOptions, walk_layers
 from laco_deploy.engine.cache import ActivationCache
 from laco_deploy.memory import mapped_allocations
 from laco_deploy.models import decoder_layers, linear_modules
@@ -193,8 +193,8 @@ def skip_reason(model, cfg: CompensateConfig, seqlen: int, device: torch.device,
 class _Pass:
     """The pass's model, samples and teacher on this rank."""
 
-    def __init__(self, stack: LayerStack, inputs: ActivationCache, teacher: ActivationCache, cfg: CompensateConfig,
-                 shard: distributed.Shard):
+    def __init__(self, stack: LayerStack, inputs: ActivationCache | EmbeddedOnDemand, teacher: ActivationCache,
+                 cfg: CompensateConfig, shard: distributed.Shard):
         """inputs: this rank's samples' embeddings [local n, seq, hidden], rows matching `teacher`'s."""
         self.stack, self.inputs, self.teacher, self.cfg, self.shard = stack, inputs, teacher, cfg, shard
         self.softcap = families.logit_softcap(stack.model.config)
@@ -243,7 +243,7 @@ def _train(work: _Pass, stepper: StepInBackward, train_idx: torch.Tensor, cfg: C
     return step
 
 
-def final_kl(model, inputs: ActivationCache, teacher: ActivationCache, cfg: CompensateConfig,
+def final_kl(model, inputs: ActivationCache | EmbeddedOnDemand, teacher: ActivationCache, cfg: CompensateConfig,
              targets: tuple[str, ...], split: tuple[torch.Tensor, torch.Tensor], *, device: torch.device,
              kwargs: list[dict[str, Any]], seed: int, shard: distributed.Shard,
              restore: Callable[[int, torch.nn.Module], Any], loader: Any = None,

@@ -28,6 +28,7 @@ from laco_deploy.compensate.masks import layer_masks
 from laco_deploy.compensate.train import LayerData, LayerTrainer, layer_forward, propagate_dtype, split_indices
 from laco_deploy.config import CompensateConfig
 from laco_deploy.engine import (
+    EmbeddedOnDemand,
     Lane,
     LayerCheckpoints,
     LayerContext,
@@ -35,6 +36,7 @@ from laco_deploy.engine import (
     Paths,
     WalkOptions,
     capture_inputs,
+    capture_layer_inputs,
     walk_layers,
 )
 from laco_deploy.engine.cache import ActivationCache
@@ -47,8 +49,8 @@ log = logging.getLogger(__name__)
 
 class SegmentMeter:
     """Peak memory over consecutive segments (setup, layer 0, layer 1, ...), measured with
-    laco_deploy.memory.measure. measure() resets the peak counter on entry, so nested use would
-    lose the earlier peak; chaining segments keeps the overall peak = max over segments."""
+    laco_deploy.memory.measure: the overall peak is the max over segments, and each segment's own
+    peak says which part of the walk set it."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -270,14 +272,19 @@ def _final_pass(dense_model, sparse_model, kl_ids: torch.Tensor, cfg: Compensate
     Returns (the pass's record, the teacher)."""
     shard = distributed.shard(kl_ids.shape[0])
     mine = kl_ids[shard.start:shard.stop]
-    meter.next()  # its own segment: measure() below resets the peak counter
+    meter.next()  # its own segment, so the report says what the pass itself peaked at
     with measure(device) as m:
         teacher = distill.dense_teacher(dense_model, dense_loader,
                                         capture_inputs(sparse_model, layer_loader, mine, device, cfg.offload, workdir),
                                         device, cfg.batch_size, propagate)
-        inputs = capture_inputs(sparse_model, layer_loader, mine, device, cfg.offload, workdir)
+        if layer_loader is not None:  # streamed: its embedding matrix is read once, so the rows are held
+            inputs = capture_inputs(sparse_model, layer_loader, mine, device, cfg.offload, workdir)
+            hidden = inputs.hidden
+        else:  # resident: each batch is embedded when asked for, no cache of every sample's
+            inputs = capture_layer_inputs(sparse_model, kl_ids[:1], device)  # call arguments, alike for all
+            hidden = EmbeddedOnDemand(sparse_model, mine)
         fresh = split_indices(kl_ids.shape[0], cfg.val_fraction, seed)
-        final = distill.final_kl(sparse_model, inputs.hidden, teacher, cfg, targets, fresh, device=device,
+        final = distill.final_kl(sparse_model, hidden, teacher, cfg, targets, fresh, device=device,
                                  kwargs=inputs.kwargs_per_layer(len(decoder_layers(sparse_model)), device), seed=seed,
                                  shard=shard, restore=checkpoints.reload, loader=layer_loader,
                                  state_dir=workdir / "final-kl-state" if cfg.offload == "disk" else None)

@@ -5,13 +5,14 @@ stay on CPU and activations live in an ActivationCache on CPU or memory-mapped o
 """
 
 from laco_deploy.engine.cache import ActivationCache
-from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
+from laco_deploy.engine.capture import EmbeddedOnDemand, LayerInputs, capture_layer_inputs
 from laco_deploy.engine.checkpoint import LayerCheckpoints
 from laco_deploy.engine.lazy import LazyModel, capture_inputs
 from laco_deploy.engine.walk import Lane, LayerContext, LayerLoader, Paths, WalkOptions, walk_layers, walk_side_by_side
 
 __all__ = [
     "ActivationCache",
+    "EmbeddedOnDemand",
     "Lane",
     "LayerCheckpoints",
     "LayerContext",

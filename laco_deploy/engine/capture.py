@@ -7,6 +7,7 @@ for every sample of the same length, so they are kept once and broadcast over ba
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,38 +63,71 @@ def kwargs_on(kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return _to(kwargs, device)
 
 
-@torch.no_grad()
-def capture_layer_inputs(model, input_ids: torch.Tensor, device: torch.device, offload: str = "cpu", workdir=None) -> LayerInputs:
-    """Run the embeddings for every sample and record layer 0's inputs. input_ids [n, seq]."""
-    n, seq = input_ids.shape
-    cache = ActivationCache((n, seq, model.config.hidden_size), offload, workdir)
+def _embed_each(model, input_ids: torch.Tensor, device: torch.device):
+    """Yield (i, layer 0's hidden states [1, seq, hidden], its call arguments) for each row of
+    input_ids [n, seq], running only what precedes layer 0 (a pre-hook stops the pass there).
+    The embedding and rotary modules run on `device` and go back where they were afterwards."""
     layers = decoder_layers(model)
-    kept: dict[str, Any] = {}
 
     def hook(_module, args, kwargs):
         hidden = args[0] if args else kwargs["hidden_states"]
         raise _Captured((hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"}))
 
-    # only the embedding and rotary modules need the device; the layers are never run here
     inner = model.model
-    moved = [m for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
-    for m in moved:
+    homes = [(m, _home(m)) for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
+    for m, _ in homes:
         m.to(device)
     handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        for i in range(n):
+        for i in range(input_ids.shape[0]):
             try:
-                inner(input_ids[i : i + 1].to(device), use_cache=False)
+                with torch.no_grad():
+                    inner(input_ids[i : i + 1].to(device), use_cache=False)
             except _Captured as c:
-                hidden, kw = c.args[0]
-                cache.store(i, hidden)
-                if not kept:
-                    kept = _to({k: v for k, v in kw.items() if k not in _DROPPED}, torch.device("cpu"))
+                yield i, *c.args[0]
     finally:
         handle.remove()
-        for m in moved:
-            m.to("cpu")
+        for m, home in homes:
+            if home is not None:
+                m.to(home)
+
+
+def _home(module: torch.nn.Module) -> torch.device | None:
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return first.device if first is not None else None
+
+
+@torch.no_grad()
+def capture_layer_inputs(model, input_ids: torch.Tensor, device: torch.device, offload: str = "cpu", workdir=None) -> LayerInputs:
+    """Run the embeddings for every sample and record layer 0's inputs. input_ids [n, seq]."""
+    n, seq = input_ids.shape
+    cache = ActivationCache((n, seq, model.config.hidden_size), offload, workdir)
+    kept: dict[str, Any] = {}
+    for i, hidden, kw in _embed_each(model, input_ids, device):
+        cache.store(i, hidden)
+        if not kept:
+            kept = _to({k: v for k, v in kw.items() if k not in _DROPPED}, torch.device("cpu"))
     return LayerInputs(cache, kept, _kwargs_by_layer_type(model, input_ids[:1].to(device), kept))
+
+
+class EmbeddedOnDemand:
+    """Layer 0's inputs of input_ids [n, seq], made by the resident model's own embedding each time a
+    batch asks (`rows`, as ActivationCache.rows) instead of held for all samples: the final KL pass
+    then keeps no [n, seq, hidden] cache (74 MiB for the default model's pass). The rows are exactly
+    what capture_layer_inputs would have stored."""
+
+    def __init__(self, model, input_ids: torch.Tensor):
+        self.model, self.input_ids = model, input_ids
+        self.shape = (*input_ids.shape, model.config.hidden_size)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def rows(self, idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+        out = torch.empty((len(idx), *self.shape[1:]), dtype=torch.float32, device=device)
+        for j, hidden, _ in _embed_each(self.model, self.input_ids[idx], device):
+            out[j] = hidden[0].to(torch.float32)
+        return out
 
 
 class _Recorder(torch.nn.Module):
@@ -109,7 +143,6 @@ class _Recorder(torch.nn.Module):
         if self.index == self.last:
             raise _Captured(None)
         return hidden
-
 
 
 @torch.no_grad()

@@ -7,6 +7,7 @@ import torch
 
 from laco_deploy.engine import (
     ActivationCache,
+    EmbeddedOnDemand,
     Lane,
     LayerCheckpoints,
     Paths,
@@ -255,3 +256,16 @@ def test_streamed_dense_twin_leaves_before_the_step(tiny_llama_dir):
         assert all(p.is_meta for p in twin.model.model.layers.parameters())
     assert [s[:2] for s in seen[True]] == [(False, False)] * 2 and [s[:2] for s in seen[False]] == [(True, True)] * 2
     assert all(torch.equal(a[2], b[2]) for a, b in zip(seen[True], seen[False]))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gemma3_dir"])  # Gemma scales its embeddings
+def test_embedded_on_demand_equals_the_captured_cache(fixture, request):
+    """What the final KL pass embeds per batch is bit for bit what a held cache would give, in any order."""
+    model = load_model(str(request.getfixturevalue(fixture))).model
+    ids = _ids(n=6)
+    held = capture_layer_inputs(model, ids, CPU).hidden
+    idx = torch.tensor([4, 0, 5, 2])
+    with torch.enable_grad():  # the pass asks with gradients on: the rows must not carry a graph
+        rows = EmbeddedOnDemand(model, ids).rows(idx, CPU)
+    assert not rows.requires_grad and torch.equal(rows, held.rows(idx, CPU))
+    assert torch.is_grad_enabled()

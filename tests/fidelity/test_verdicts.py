@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from laco_deploy.fidelity.report import markdown, verdict_lines
-from laco_deploy.fidelity.verdicts import runtime_agreement, worse_than_pruned
+from laco_deploy.fidelity.verdicts import runtime_agreement, worse_domains, worse_than_pruned
 from laco_deploy.summary import summarize, summary_lines
 
 
@@ -58,6 +58,20 @@ def test_better_model_gets_its_gap_and_no_flag():
     s, text = _summary(_fid(0.9, 0.55))
     assert s["worse_than_pruned"] == {} and "WORSE" not in text
     assert s["gap_closed_by_domain"]["laco"] == pytest.approx({"wikipedia": 1 / 3, "fiction": 0.25})
+
+
+def test_a_domain_made_worse_is_named_and_gets_no_gap():
+    """Better on the whole, worse on one kind of text (Gemma 3's dialogue at 256 samples): the whole-model
+    verdict passes it, the domain's row says WORSE instead of a share of the gap."""
+    fid = _fid(0.9, 0.55)
+    fid["candidates"]["laco"]["domains"]["fiction"]["kl_mean"] = 1.5  # pruned: 1.339
+    assert worse_than_pruned(fid["candidates"]) == {}
+    assert worse_domains(fid["candidates"]) == {"laco": {"fiction": "KL 1.34 -> 1.5"}}
+    s, text = _summary(fid)
+    assert s["gap_closed_by_domain"]["laco"] == pytest.approx({"wikipedia": 1 / 3})
+    assert "laco is WORSE than pruned on fiction: KL 1.34 -> 1.5" in text
+    row = next(line for line in text.splitlines() if line.startswith("laco ") and "(WORSE)" in line)
+    assert "(33%)" in row
 
 
 @pytest.mark.parametrize("runtime_ppl,agree", [(18.98, False), (81.3 * 1.09, True), (81.3 * 0.89, False)])
