@@ -20,6 +20,7 @@ is trusted like a script.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
@@ -144,12 +145,28 @@ def load_tasks(specs: tuple[str, ...] | list[str]) -> LoadedTasks:
         manager = _harness_api()["TaskManager"](include_defaults=False)
     merged: dict[str, Any] = {"tasks": {}, "groups": {}, "group_map": {}}
     origin: dict[str, ResolvedTask] = {}
-    for r in resolved:
-        built = _build(manager, r)
-        for key in merged:
-            merged[key].update(built.get(key) or {})
-        origin.update({name: r for name in built["tasks"]})
+    with _dataset_bars_off():
+        for r in resolved:
+            built = _build(manager, r)
+            for key in merged:
+                merged[key].update(built.get(key) or {})
+            origin.update({name: r for name in built["tasks"]})
     return LoadedTasks(merged, origin)
+
+
+@contextlib.contextmanager
+def _dataset_bars_off():
+    """`datasets` draws a bar the first time it caches a task's data file ("Generating test split"):
+    another library's line on the user's terminal, so off while tasks are built."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
 
 
 def tasks_fingerprint(specs: tuple[str, ...] | list[str]) -> str:
