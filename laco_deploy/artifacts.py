@@ -27,6 +27,15 @@ def record_gguf_source(folder: Path, gguf: Path) -> None:
         tmp.replace(marker)
 
 
+def with_provenance(source_dir: str | Path | None, extra_files: dict[str, str] | None) -> dict[str, str]:
+    """`extra_files` plus the source's laco_source.json, so provenance follows the weights from stage to stage."""
+    files = dict(extra_files or {})
+    src = Path(source_dir) / SOURCE_FILE if source_dir else None
+    if src is not None and src.is_file() and SOURCE_FILE not in files:
+        files[SOURCE_FILE] = src.read_text()
+    return files
+
+
 def checkpoint_dir(out_dir: Path) -> Path:
     """Sibling folder of a stage's output holding per-layer checkpoints while the run is in progress."""
     out_dir = Path(out_dir)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from laco_deploy import distributed, families, modelcheck, structured
-from laco_deploy.artifacts import SOURCE_FILE, record_gguf_source
+from laco_deploy.artifacts import record_gguf_source, with_provenance
 from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, sha256_tree
@@ -369,15 +369,6 @@ def linear_modules(layer, targets) -> dict[str, torch.nn.Linear]:
         if short in wanted and isinstance(mod, torch.nn.Linear):
             out[name] = mod
     return out
-
-
-def with_provenance(source_dir: str | Path | None, extra_files: dict[str, str] | None) -> dict[str, str]:
-    """`extra_files` plus the source's laco_source.json, so provenance follows the weights from stage to stage."""
-    files = dict(extra_files or {})
-    src = Path(source_dir) / SOURCE_FILE if source_dir else None
-    if src is not None and src.is_file() and SOURCE_FILE not in files:
-        files[SOURCE_FILE] = src.read_text()
-    return files
 
 
 def save_model(model, tokenizer, out_dir: Path, extra_files: dict[str, str] | None = None) -> None:

@@ -137,6 +137,8 @@ class StageCache:
         record = {
             "key": key, "settings": settings, "inputs": hashes, "files": files, "reused": False,
             "wall_s": round(m.wall_s, 2), "peak_mib": m.to_dict()["peak_mib"], "memory_kind": m.kind,
+            # what the process held as the stage began: a peak above a standalone run's is the earlier stages'
+            "start_mib": round((m.peak_bytes - m.peak_delta_bytes) / 2**20, 1),
             "result": result.to_dict() if hasattr(result, "to_dict") else result,
         }
         self.manifest["stages"][name] = record

@@ -91,7 +91,8 @@ def test_device_resolution():
 def test_provenance_follows_the_weights(tmp_path, tiny_llama_dir):
     import shutil
 
-    from laco_deploy.models import SOURCE_FILE, save_model
+    from laco_deploy.artifacts import SOURCE_FILE
+    from laco_deploy.models import save_model
 
     src = tmp_path / "src"
     shutil.copytree(tiny_llama_dir, src)

@@ -81,6 +81,7 @@ def test_manifest_records_versions_and_measurements(tmp_path):
     m = json.loads(c.manifest_path.read_text())
     assert m["versions"]["torch"] and m["device"] == "cpu" and m["seed"] == 0
     assert r["wall_s"] >= 0 and r["peak_mib"] > 0 and r["result"] == {"wrote": "x"}
+    assert 0 < r["start_mib"] <= r["peak_mib"]
 
 
 def test_key_follows_the_named_outputs_of_earlier_stages(tmp_path):

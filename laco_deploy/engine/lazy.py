@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from laco_deploy import structured
+from laco_deploy.artifacts import with_provenance
 from laco_deploy.engine.capture import LayerInputs, capture_layer_inputs
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, atomic_path
@@ -292,8 +293,6 @@ class LazyModel:
     def save(self, out_dir: Path, tokenizer: Any, extra_files: dict[str, str] | None = None) -> None:
         """Write a sharded HF directory from the spilled layers and the source's non-layer tensors
         (one layer or one tensor in memory at a time)."""
-        from laco_deploy.models import with_provenance
-
         extra_files = with_provenance(self.path, extra_files)
         layers = self.model.model.layers
         weight_map: dict[str, str] = {}
