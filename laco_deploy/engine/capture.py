@@ -7,6 +7,7 @@ for every sample of the same length, so they are kept once and broadcast over ba
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -73,20 +74,30 @@ def _embed_each(model, input_ids: torch.Tensor, device: torch.device):
         hidden = args[0] if args else kwargs["hidden_states"]
         raise _Captured((hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"}))
 
+    with _embedding_on(model, device):
+        handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            for i in range(input_ids.shape[0]):
+                try:
+                    with torch.no_grad():
+                        model.model(input_ids[i : i + 1].to(device), use_cache=False)
+                except _Captured as c:
+                    yield i, *c.args[0]
+        finally:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _embedding_on(model, device: torch.device):
+    """Within the block the modules that run before layer 0 (embedding, rotary) are on `device`;
+    after it they are back where they were (a streamed model keeps them on CPU between uses)."""
     inner = model.model
     homes = [(m, _home(m)) for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
     for m, _ in homes:
         m.to(device)
-    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        for i in range(input_ids.shape[0]):
-            try:
-                with torch.no_grad():
-                    inner(input_ids[i : i + 1].to(device), use_cache=False)
-            except _Captured as c:
-                yield i, *c.args[0]
+        yield
     finally:
-        handle.remove()
         for m, home in homes:
             if home is not None:
                 m.to(home)
@@ -157,17 +168,13 @@ def _kwargs_by_layer_type(model, input_ids: torch.Tensor, first: dict[str, Any])
     inner = model.model
     sink: dict[int, dict[str, Any]] = {}
     inner.layers = torch.nn.ModuleList(_Recorder(i, sink, len(layers) - 1) for i in range(len(layers)))
-    moved = [m for m in (inner.embed_tokens, getattr(inner, "rotary_emb", None)) if m is not None]
-    for m in moved:
-        m.to(input_ids.device)
     try:
-        inner(input_ids, use_cache=False)
+        with _embedding_on(model, input_ids.device):
+            inner(input_ids, use_cache=False)
     except _Captured:
         pass
     finally:
         inner.layers = layers
-        for m in moved:
-            m.to("cpu")
     by_kind = {kinds[0]: first}
     for i, kind in enumerate(kinds):
         if kind not in by_kind:
