@@ -298,7 +298,7 @@ class FidelityConfig:
     # zero-shot accuracy through lm-evaluation-harness (fidelity/zeroshot.py): task names or task .yaml files
     tasks: tuple[str, ...] = ()
     task_limit: int | None = None  # documents per task; None: all (a limit is for quick checks only)
-    task_batch_size: int | None = None  # sequences per harness forward (its logits: the stage's peak); None: sizing.zeroshot_batch's
+    task_batch_size: int | None = None  # sequences per harness forward (its logits: the stage's peak); None: 1 (sizing.zeroshot_batch)
     # dense PyTorch vs runtime perplexity, same windows: allowed disagreement (q8_0 ~1%; a missing BOS: 4x on Gemma 3)
     runtime_ppl_tolerance: float = 0.10
 

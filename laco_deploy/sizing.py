@@ -19,12 +19,10 @@ KL_CHUNK_TOKENS = 32  # the final KL pass makes its logits this many tokens at a
 # zero-shot (lm-eval): tokens of a batch's longest request; laco_lastword_quick on the default model grew
 # the process by 797 MiB at batch 4 and 1,479 at 16 (the fp32 model + logits and their log-softmax)
 ZEROSHOT_TOKENS = 192
-# fidelity.task_batch_size unset: the harness's [batch, tokens, vocab] logits and their log-softmax, at
-# ZEROSHOT_TOKENS tokens, stay within this, at most 4 sequences: 4 at SmolLM2's 49k vocabulary, 1 at Gemma 3's
-# 262k (where 4 grew the process by 2.1 GiB)
-ZEROSHOT_LOGIT_BYTES, ZEROSHOT_MAX_BATCH = 320 * MIB, 4
-# one sequence per harness call: the LM head runs on the longest continuation's positions only
-# (fidelity/harness_lm.py): a word or an answer choice, a few to a few tens of tokens
+# fidelity.task_batch_size unset: one sequence per harness call, whose LM head runs on the longest
+# continuation's positions only (fidelity/harness_lm.py): a word or an answer choice, a few to a few tens
+# of tokens. On the default model's three models: 254 MiB lower peak than batch 4, 11% longer (52 -> 58 s
+# on 2 CPU cores), the same accuracy (benchmarks/RESULTS.md). A GPU user may raise it for speed.
 ZEROSHOT_TAIL_TOKENS = 64
 
 
@@ -68,18 +66,15 @@ def largest_rest(w: dict[str, int]) -> int:
     return max(w["embed"], w["head"])
 
 
-def zeroshot_batch(setting: int | None, vocab: int) -> int:
-    """Sequences per harness forward: fidelity.task_batch_size where set, else the most (up to
-    ZEROSHOT_MAX_BATCH, at least 1) whose logits fit ZEROSHOT_LOGIT_BYTES at this vocabulary."""
-    if setting is not None:
-        return setting
-    return max(1, min(ZEROSHOT_MAX_BATCH, ZEROSHOT_LOGIT_BYTES // (2 * ZEROSHOT_TOKENS * vocab * FP32)))
+def zeroshot_batch(setting: int | None) -> int:
+    """Sequences per harness forward: fidelity.task_batch_size where set, else 1 (see ZEROSHOT_TAIL_TOKENS)."""
+    return setting if setting is not None else 1
 
 
 def zeroshot_logit_bytes(setting: int | None, vocab: int) -> int:
     """The harness's logits and their log-softmax per call: [batch, ZEROSHOT_TOKENS, vocab] for a batch
     of several sequences, [1, ZEROSHOT_TAIL_TOKENS, vocab] for one (harness_lm.ContinuationLM)."""
-    batch = zeroshot_batch(setting, vocab)
+    batch = zeroshot_batch(setting)
     tokens = ZEROSHOT_TAIL_TOKENS if batch == 1 else batch * ZEROSHOT_TOKENS
     return 2 * tokens * vocab * FP32
 

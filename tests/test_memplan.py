@@ -90,8 +90,9 @@ def test_final_kl_pass_adds_its_training_state(tiny_llama_dir):
 def test_zero_shot_row_counts_one_model_and_its_batch_of_logits(tiny_llama_dir):
     """The harness holds one whole model and a batch's [batch, tokens, vocab] logits with their log-softmax:
     the default build's fidelity peak (2,836 MiB measured at batch 16, 2,101 at batch 4). Unset, the batch
-    is 4 at SmolLM2's vocabulary and 1 at Gemma 3's (its batch of 4 grew the process by 2.1 GiB)."""
-    w = {**model_bytes(tiny_llama_dir), "vocab": 49152}  # a real vocabulary: the harness's logits dominate
+    is 1 at every vocabulary: one sequence per call, its head on the continuation's positions only."""
+    # a real vocabulary and a whole model of 1 GiB: the zero-shot phase is the fidelity stage's peak
+    w = {**model_bytes(tiny_llama_dir), "vocab": 49152, "total": 2**30}
     small = {"eval_windows": 1, "torch_candidates": 0, "runtime_candidates": 0}
     off = {e.stage: e for e in estimate_build(w, _job(zeroshot=False, **small))}["fidelity"]
     auto = {e.stage: e for e in estimate_build(w, _job(zeroshot=True, **small))}["fidelity"]
@@ -99,8 +100,10 @@ def test_zero_shot_row_counts_one_model_and_its_batch_of_logits(tiny_llama_dir):
     sixteen = {e.stage: e for e in estimate_build(w, _job(zeroshot=True, zeroshot_batch=16, **small))}["fidelity"]
     assert "task logits" not in off.terms and four.terms["model"] == w["total"]
     assert sixteen.terms["task logits"] == 4 * four.terms["task logits"] and sixteen.host_bytes > four.host_bytes
-    assert auto.terms == four.terms and zeroshot_batch(None, 49152) == 4 and zeroshot_batch(None, 262144) == 1
-    assert zeroshot_batch(16, 262144) == 16  # a batch the user set is taken as set
+    one = {e.stage: e for e in estimate_build(w, _job(zeroshot=True, zeroshot_batch=1, **small))}["fidelity"]
+    assert auto.terms == one.terms and zeroshot_batch(None) == 1
+    assert one.terms["task logits"] == 2 * ZEROSHOT_TAIL_TOKENS * w["vocab"] * FP32 < four.terms["task logits"]
+    assert zeroshot_batch(16) == 16  # a batch the user set is taken as set
     cfg = BuildConfig()
     job = Workload.of_build(cfg, torch.device("cpu"))
     assert job.zeroshot and job.zeroshot_batch == cfg.fidelity.task_batch_size
@@ -111,7 +114,7 @@ def test_zero_shot_row_counts_one_model_and_its_batch_of_logits(tiny_llama_dir):
 def test_the_process_grows_with_the_vocabulary_and_one_sequence_costs_its_continuation(tiny_llama_dir):
     """PROCESS_BYTES were measured with SmolLM2's 49,152-token tokenizer: there they are taken as they are.
     Gemma 3's 262,144 tokens add what its tokenizer was measured to hold beyond that one's (40 MiB), in
-    every stage. With one sequence per harness call (Gemma 3's default) the task logits are those of the
+    every stage. With one sequence per harness call (the default) the task logits are those of the
     longest continuation, not of the whole request (fidelity/harness_lm.py)."""
     small = {"eval_windows": 1, "torch_candidates": 0, "runtime_candidates": 0}
     w = {**model_bytes(tiny_llama_dir), "total": 2**30}  # a whole model of 1 GiB: zero-shot is the fidelity peak
@@ -121,7 +124,9 @@ def test_the_process_grows_with_the_vocabulary_and_one_sequence_costs_its_contin
         assert est.terms["process"] == PROCESS_BYTES[stage]
         assert 35 * MIB < gemma3[stage].terms["process"] - PROCESS_BYTES[stage] < 45 * MIB
     assert gemma3["fidelity"].terms["task logits"] == 2 * ZEROSHOT_TAIL_TOKENS * 262144 * FP32  # [1, tail, vocab] + log-softmax
-    assert smollm2["fidelity"].terms["task logits"] == 2 * 4 * ZEROSHOT_TOKENS * 49152 * FP32  # 4 right-padded sequences: all positions
+    assert smollm2["fidelity"].terms["task logits"] == 2 * ZEROSHOT_TAIL_TOKENS * 49152 * FP32
+    four = {e.stage: e for e in estimate_build({**w, "vocab": 49152}, _job(zeroshot=True, zeroshot_batch=4, **small))}
+    assert four["fidelity"].terms["task logits"] == 2 * 4 * ZEROSHOT_TOKENS * 49152 * FP32  # 4 right-padded sequences: all positions
 
 
 def test_build_workload_follows_the_config():

@@ -79,7 +79,7 @@ def evaluate_models(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, models: 
         "tasks": tasks.describe(),
         "models": per_model,
         "skipped": dict(skipped or {}),
-        "settings": {"num_fewshot": 0, "limit": cfg.task_limit, "batch_size": _batch_size(cfg, tokenizer),
+        "settings": {"num_fewshot": 0, "limit": cfg.task_limit, "batch_size": _batch_size(cfg),
                      "specs": list(cfg.tasks), "tokenizer": "the dense model's, for every model"},
         "versions": {"lm_eval": importlib.metadata.version("lm_eval")},
     }
@@ -93,7 +93,7 @@ def _evaluate_one(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, model) -> 
     with _quiet_harness():
         # add_bos_token left unset: contexts are encoded with the tokenizer's own special tokens (BOS where
         # it adds one), as data.py's samples are; the LM head runs at the continuations' positions only
-        lm = ContinuationLM(pretrained=model, tokenizer=tokenizer, batch_size=_batch_size(cfg, tokenizer))
+        lm = ContinuationLM(pretrained=model, tokenizer=tokenizer, batch_size=_batch_size(cfg))
         for task in tasks.task_dict["tasks"].values():
             task.set_config(key="num_fewshot", value=0)
             task.set_fewshot_seed(seed=SEED)
@@ -101,10 +101,10 @@ def _evaluate_one(tasks: LoadedTasks, cfg: FidelityConfig, tokenizer, model) -> 
     return {name: _task_scores(out["results"][name], out["n-samples"].get(name, {})) for name in tasks.task_dict["tasks"]}
 
 
-def _batch_size(cfg: FidelityConfig, tokenizer) -> int:
-    """fidelity.task_batch_size, or where unset the largest batch whose logits (the harness's peak) fit
-    sizing's budget at this vocabulary (sizing.zeroshot_batch)."""
-    return zeroshot_batch(cfg.task_batch_size, len(tokenizer))
+def _batch_size(cfg: FidelityConfig) -> int:
+    """fidelity.task_batch_size, or where unset 1: one sequence per call, its head on the continuation
+    only (sizing.zeroshot_batch)."""
+    return zeroshot_batch(cfg.task_batch_size)
 
 
 def _task_scores(results: dict[str, Any], n_samples: dict[str, int]) -> dict[str, Any]:
