@@ -1,7 +1,7 @@
 """Peak-memory and wall-time measurement for a stage or a layer, on CPU and CUDA.
 
 CUDA: peak bytes allocated by torch on the device. CPU: the peak resident set of the process
-within the block. Where the block raised the process's all-time peak (VmHWM) that mark is exact;
+within the block, or of a child process that did part of its work there (isolated.py) where higher. Where the block raised the process's all-time peak (VmHWM) that mark is exact;
 otherwise the peak is the largest resident set sampled every SAMPLE_S by one background thread.
 The kernel's mark is never reset (/proc/self/clear_refs): resetting it also lowers the process's
 ru_maxrss, so `/usr/bin/time -v` would report the last stage's peak instead of the build's.
@@ -167,6 +167,15 @@ class Measurement:
         }
 
 
+_child_peaks: list[int] = []  # peak resident bytes of child processes that ran work of this one (isolated.py)
+
+
+def note_child_peak(peak_bytes: int) -> None:
+    """A child process that did part of this process's work peaked at `peak_bytes`: the enclosing
+    `measure` blocks count it as their peak where it is higher than this process's own."""
+    _child_peaks.append(int(peak_bytes))
+
+
 @contextlib.contextmanager
 def measure(device: torch.device | str = "cpu"):
     """Measure wall time and peak memory of the enclosed block; yields a Measurement filled on exit."""
@@ -179,6 +188,7 @@ def measure(device: torch.device | str = "cpu"):
         m.kind = "cuda_max_allocated"
     else:
         mark_at_entry = _peak_rss_bytes()
+        children_at_entry = len(_child_peaks)
         sampled = _SAMPLER.open()
         base = sampled[0]
     t0 = time.perf_counter()
@@ -193,6 +203,7 @@ def measure(device: torch.device | str = "cpu"):
             mark = _peak_rss_bytes()
             # A new all-time mark was set inside the block: it is its exact peak. Otherwise the
             # block stayed below an earlier stage's peak and only the samples can tell its own.
-            m.peak_bytes = mark if mark > mark_at_entry else highest_sampled
+            m.peak_bytes = max(mark if mark > mark_at_entry else highest_sampled,
+                               max(_child_peaks[children_at_entry:], default=0))
         m.peak_delta_bytes = max(0, m.peak_bytes - base)
         m.wall_s = time.perf_counter() - t0

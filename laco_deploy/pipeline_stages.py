@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from laco_deploy import isolated
 from laco_deploy.checked import Checked
 from laco_deploy.config import BuildConfig, DataConfig, to_dict
 from laco_deploy.fsutil import atomic_path
@@ -55,6 +56,11 @@ class Layout:
     @property
     def manifest(self) -> Path:
         return self.root / "manifest.json"
+
+
+def _here(fn, *args, **kwargs):
+    """Run in this process (isolated.call's counterpart for targets whose exports may stay here)."""
+    return fn(*args, **kwargs)
 
 
 def _calib(data) -> dict:
@@ -159,11 +165,10 @@ class BuildRecipe:
             for label, model_dir in sources.items():
                 sparse = cfg.export.sparse_storage and label != "dense"
                 imatrix = self._imatrix(model_dir, lay.imatrix(label), cfg.data) if weighted else None
-                results[label] = target.export(model_dir, outputs[label], lay.quant, sparse_storage=sparse,
-                                               imatrix=imatrix).to_dict()
-                # the export's checks free their sessions into the heap: after the default model's fp32
-                # ONNX export a process held 1,200-1,244 MiB, 722-841 once trimmed (where the next starts)
-                release_memory()
+                run_export = isolated.call if target.export_in_child else _here
+                results[label] = run_export(target.export, model_dir, outputs[label], lay.quant,
+                                            sparse_storage=sparse, imatrix=imatrix).to_dict()
+                release_memory()  # what the export freed goes back to the OS before the next starts
             return results
 
         return self.cache.run("export", settings, inputs, outputs, run, main_only=True).outputs

@@ -38,6 +38,9 @@ class Target:
     folder_marker: str = ""  # a folder holding this file is this target's output
     written_here: str = ""  # "module:function" (path) -> whether a file output is one laco-deploy wrote
     sparse_storage: bool = False  # the exporter can store sparse weights compactly
+    # a build runs each export in a child process: what the exporter imports and leaves in the heap
+    # would otherwise stay in the build for the stages after it (laco_deploy/isolated.py says how much)
+    export_in_child: bool = False
     # weight types the exporter makes with llama.cpp's quantizer, which an importance-matrix file steers
     imatrix_quants: tuple[str, ...] = ()
     follows_device: bool = False  # the runtime runs on the build's device (CUDA); else always on the CPU
@@ -131,6 +134,7 @@ ONNX = Target(
     file_suffix=".onnx",
     folder_marker="model.onnx",
     sparse_storage=True,
+    export_in_child=True,
     follows_device=True,
     description="onnxruntime",
 )

@@ -22,7 +22,7 @@ D = "laco_deploy."
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contracts", ("laco_deploy", D + "errors", D + "config", D + "presets", D + "targets", D + "artifacts",
                    D + "families", D + "structured", D + "fsutil", D + "versions", D + "devices", D + "flops",
-                   D + "memory", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence",
+                   D + "memory", D + "isolated", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence",
                    D + "budget_table")),
     ("models", (D + "modelcheck", D + "models", D + "sizing", D + "checked", D + "tokenizer")),
     ("engine, exporters", (D + "engine", "exporters")),
