@@ -20,6 +20,7 @@ import torch
 from laco_deploy.engine.forward import Head, ModelStream, open_stream
 from laco_deploy.engine.walk import WalkOptions, walk_side_by_side
 from laco_deploy.fidelity.layerwise import LayerCurves
+from laco_deploy.memory import trim_heap
 
 log = logging.getLogger(__name__)
 DENSE = "dense"
@@ -60,6 +61,9 @@ class TorchPass:
                 self._owned.remove(head)
             del self.streams[label]
         gc.collect()
+        # the walk's freed caches and temporaries leave the heap, or the first runtime session loads on
+        # top of them (832 MiB before onnxruntime opened its first candidate, 665 before the second)
+        trim_heap()
 
     def close(self) -> None:
         self.release(keep=())

@@ -103,6 +103,10 @@ class OrtDecoder:
             raise RuntimeBackendError(f"{self.file} has {len(self.past_names)} past inputs and {len(self.present_names)} present outputs; re-export it with KV cache")
         self.kv_dtype = _NP_TYPES[inputs[self.past_names[0]].type]
         self.kv_dims = {n: (inputs[n].shape[1], inputs[n].shape[3]) for n in self.past_names}  # (heads, head_dim)
+        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
+        vocab = logits.shape[-1]
+        self.logits_vocab = vocab if isinstance(vocab, int) else None  # None: onnxruntime allocates the output
+        self.logits_dtype = _NP_TYPES.get(logits.type, np.float32)
 
     def empty_past(self, batch: int) -> list:
         """Zero-length keys/values for a prefill: [batch, kv_heads, 0, head_dim] per past input."""
@@ -120,12 +124,25 @@ class OrtDecoder:
         binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         for name, value in zip(self.past_names, past):
             binding.bind_ortvalue_input(name, value)
-        binding.bind_output("logits", "cpu")
+        logits = self._bind_logits(binding, input_ids.shape)
         for name in self.present_names:
             binding.bind_output(name, self.device_type, self.device_id)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        return outputs[0].numpy().astype(np.float32, copy=False), list(outputs[1:])
+        if logits is None:
+            logits = outputs[0].numpy()
+        return logits.astype(np.float32, copy=False), list(outputs[1:])
+
+    def _bind_logits(self, binding, ids_shape: tuple[int, ...]) -> np.ndarray | None:
+        """The logits written straight into a numpy array of ours: bound to an onnxruntime buffer,
+        they were copied out of it, and both copies ([seq, vocab] each, 48 MiB at 256 x 49,152) were
+        alive at once. Returns that array, or None where the graph leaves the vocabulary unnamed."""
+        if self.logits_vocab is None:
+            binding.bind_output("logits", "cpu")
+            return None
+        out = np.empty((*ids_shape, self.logits_vocab), dtype=self.logits_dtype)
+        binding.bind_output("logits", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
+        return out
 
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, list]:
         """ids [seq] -> (logits [seq, vocab], present) with an empty past."""

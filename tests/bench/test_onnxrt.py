@@ -132,3 +132,19 @@ def test_generate_stops_at_eos(tiny_export):
     assert len(free) == 6
     stopped = runner.generate(prompt, 6, eos_token_id=free[2])
     assert stopped == free[: free.index(free[2]) + 1]
+
+
+def test_logits_written_into_our_array_equal_onnxruntimes_own(tiny_export):
+    """The logits output bound to a numpy buffer of ours (one copy of [seq, vocab], not two) holds the
+    values onnxruntime returns when it allocates the output itself; decode steps too."""
+    decoder = OrtRunner(tiny_export).decoder
+    assert decoder.logits_vocab is not None  # the exporter names the vocabulary: the buffer path runs
+    ids = np.arange(5, 29)
+    ours, past = decoder.prefill(ids)
+    step_ours, _ = decoder.step(7, len(ids), past)
+    decoder.logits_vocab = None
+    theirs, past = decoder.prefill(ids)
+    step_theirs, _ = decoder.step(7, len(ids), past)
+    assert ours.shape == theirs.shape == (len(ids), decoder.session.get_outputs()[0].shape[-1])
+    np.testing.assert_array_equal(ours, theirs)
+    np.testing.assert_array_equal(step_ours, step_theirs)
