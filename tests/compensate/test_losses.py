@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from laco_deploy import devices
 from laco_deploy.compensate.train import amp_dtype, cosine_lr, resolve_precision, split_indices
 from laco_deploy.compensate.workingset import count_saved, working_set
 from laco_deploy.config import CompensateConfig, DataConfig
+from laco_deploy.memory import SAMPLE_S
 
 
 def _pair(seed=0):
@@ -167,6 +169,9 @@ def test_segment_meter_keeps_the_peak_of_earlier_segments():
     meter = SegmentMeter(torch.device("cpu"))
     meter.next()
     big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # held for several sampling periods: below an earlier all-time peak only the sampler sees it, and on
+    # a loaded machine its thread can miss a block freed at once (a full run beside a build saw 45 MiB)
+    time.sleep(10 * SAMPLE_S)
     del big
     meter.next()  # resets the counter; the first segment's peak must survive
     small = torch.ones(1024)
