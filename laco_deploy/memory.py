@@ -2,7 +2,8 @@
 
 CUDA: peak bytes allocated by torch on the device. CPU: the peak resident set of the process
 within the block, or of a child process that did part of its work there (isolated.py) where higher.
-Where the block raised the process's all-time peak (VmHWM) that mark is exact; otherwise the peak is the largest resident set sampled every SAMPLE_S by one background thread.
+Where the block raised the process's all-time peak (VmHWM) that mark is exact; otherwise the peak
+is the largest resident set sampled every SAMPLE_S by one background thread.
 The kernel's mark is never reset (/proc/self/clear_refs): resetting it also lowers the process's
 ru_maxrss, so `/usr/bin/time -v` would report the last stage's peak instead of the build's.
 `peak_delta_bytes` is the growth above the footprint at entry.
