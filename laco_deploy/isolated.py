@@ -4,7 +4,8 @@ Why: a build's ONNX exports left torch.onnx's tracer, onnxscript and onnx_ir imp
 freed heap resident; the fidelity stage after them started at 942 MiB and peaked at 1,816, where the
 same stage in a fresh process peaked at 1,418 (benchmarks/RESULTS.md, issue 33). In the child the
 call logs through the parent's handlers, raises the parent's exception types, and reports its
-peak resident set, which `memory.measure` counts in the enclosing stage's peak.
+peak resident set. The parent stays resident meanwhile: `memory.measure` counts both (the parent's
+resident set plus the pages only the child maps, sampled), and the child's own peak where higher.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Peak-memory and wall-time measurement for a stage or a layer, on CPU and CUDA.
 
 CUDA: peak bytes allocated by torch on the device. CPU: the peak resident set of the process
-within the block, or of a child process that did part of its work there (isolated.py) where higher.
+within the block, or, where higher, its own plus the pages only its child processes map (a
+runtime's tool such as llama-quantize, a benchmark process, a call in isolated.py), sampled: what
+the machine held for the block. `/usr/bin/time -v` reports the largest single process instead.
 Where the block raised the process's all-time peak (VmHWM) that mark is exact; otherwise the peak
 is the largest resident set sampled every SAMPLE_S by one background thread.
 The kernel's mark is never reset (/proc/self/clear_refs): resetting it also lowers the process's
@@ -56,19 +58,55 @@ def _peak_rss_bytes() -> int:
 
 
 SAMPLE_S = 0.02  # RSS sampling period while a measurement is open (a read of statm costs ~20 us)
+CHILDREN_EVERY = 5  # child processes are looked up every this many samples (one read per thread)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids of `pid`'s children, theirs, and so on (Linux /proc; elsewhere none)."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            kids += [int(k) for k in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def descendants_private_bytes() -> int:
+    """The pages of this process's child processes (a runtime's tool, a benchmark, an export in
+    isolated.call) that only they map, added up: with this process's resident set, what the machine
+    holds (the libraries they share with it are already in that). Their resident set where
+    /proc/PID/smaps_rollup is unreadable."""
+    total = 0
+    for pid in _descendants(os.getpid()):
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+            total += sum(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Private_"))
+        except (OSError, IndexError, ValueError):
+            try:
+                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+            except (OSError, IndexError, ValueError):
+                pass  # ended meanwhile
+    return total
 
 
 class _RssSampler:
     """One daemon thread that, while any measurement is open, samples the resident set every SAMPLE_S
-    and raises each open measurement's running maximum. It sleeps when none is open."""
+    (with the child processes' own pages added every CHILDREN_EVERY samples) and raises each open
+    measurement's running maxima: [own, own + children]. It sleeps when none is open."""
 
     def __init__(self):
-        self._open: dict[int, list[int]] = {}  # id -> [max sampled bytes]
+        self._open: dict[int, list[int]] = {}  # id -> [max own bytes, max own + children bytes]
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def open(self) -> list[int]:
-        box = [current_rss_bytes()]
+        own = current_rss_bytes()
+        box = [own, own + descendants_private_bytes()]
         with self._wake:
             self._open[id(box)] = box
             if self._thread is None or not self._thread.is_alive():
@@ -77,22 +115,25 @@ class _RssSampler:
             self._wake.notify()
         return box
 
-    def close(self, box: list[int]) -> int:
+    def close(self, box: list[int]) -> list[int]:
         with self._wake:
             self._open.pop(id(box), None)
-        box[0] = max(box[0], current_rss_bytes())
-        return box[0]
+        own = current_rss_bytes()
+        box[0], box[1] = max(box[0], own), max(box[1], own + descendants_private_bytes())
+        return box
 
     def _run(self) -> None:
+        tick = 0
         while True:
             with self._wake:
                 while not self._open:
                     self._wake.wait()
                 boxes = list(self._open.values())
             rss = current_rss_bytes()
+            tree = rss + descendants_private_bytes() if tick % CHILDREN_EVERY == 0 else 0
+            tick += 1
             for box in boxes:
-                if rss > box[0]:
-                    box[0] = rss
+                box[0], box[1] = max(box[0], rss), max(box[1], tree)
             time.sleep(SAMPLE_S)
 
 
@@ -172,8 +213,9 @@ _child_peaks: list[int] = []  # peak resident bytes of child processes that ran 
 
 
 def note_child_peak(peak_bytes: int) -> None:
-    """A child process that did part of this process's work peaked at `peak_bytes`: the enclosing
-    `measure` blocks count it as their peak where it is higher than this process's own."""
+    """A child process that did part of this process's work peaked at `peak_bytes` (its kernel mark,
+    exact where the sampler's view of it was not): the enclosing `measure` blocks count it as their
+    peak where that is higher than what they saw."""
     _child_peaks.append(int(peak_bytes))
 
 
@@ -200,11 +242,12 @@ def measure(device: torch.device | str = "cpu"):
             torch.cuda.synchronize(device)
             m.peak_bytes = torch.cuda.max_memory_allocated(device)
         else:
-            highest_sampled = _SAMPLER.close(sampled)
+            own_sampled, with_children = _SAMPLER.close(sampled)
             mark = _peak_rss_bytes()
-            # A new all-time mark was set inside the block: it is its exact peak. Otherwise the
+            # A new all-time mark was set inside the block: it is its exact own peak. Otherwise the
             # block stayed below an earlier stage's peak and only the samples can tell its own.
-            m.peak_bytes = max(mark if mark > mark_at_entry else highest_sampled,
+            # Child processes count on top (sampled, or exactly as isolated.call notes them).
+            m.peak_bytes = max(mark if mark > mark_at_entry else own_sampled, with_children,
                                max(_child_peaks[children_at_entry:], default=0))
         m.peak_delta_bytes = max(0, m.peak_bytes - base)
         m.wall_s = time.perf_counter() - t0

@@ -1,5 +1,6 @@
 """memory.map_large_allocations: a large buffer freed after glibc raised its mmap threshold goes back
-to the OS, so one stage's activation caches do not stay in the footprint of the next."""
+to the OS, so one stage's activation caches do not stay in the footprint of the next; and how a
+stage's peak is counted (the kernel's mark, samples, child processes on top)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import subprocess
 import sys
 
 import pytest
+
+from laco_deploy import memory
 
 PROBE = """
 import ctypes, sys
@@ -98,3 +101,22 @@ def test_stage_peaks_agree_with_the_kernels_and_never_reset_it():
     assert abs(high - maxrss) <= 8 * mib  # the first stage's peak is the process's, as time -v reports it
     assert 50 * mib <= low_delta <= 80 * mib and low < high - 100 * mib  # its own 60 MiB, not the earlier peak
     assert outer >= low  # nested measurements see the inner block's peak too
+
+
+HOLDER = "import time; b = bytearray({mib} * 2**20); b[::4096] = b'x' * len(b[::4096]); print('held', flush=True); time.sleep({s})"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/PID/task/TID/children")
+def test_a_child_process_counts_on_top_of_this_ones():
+    """A stage whose work runs in a child process (llama-quantize, a benchmark) held both processes'
+    memory at once: its peak is this process's resident set plus the child's, not the larger one."""
+    mib = 2**20
+    with memory.measure("cpu") as m:
+        own = memory.current_rss_bytes()
+        child = subprocess.Popen([sys.executable, "-c", HOLDER.format(mib=300, s=1.0)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "held"
+        during = memory.descendants_private_bytes()
+        child.wait()
+    assert during >= 300 * mib
+    assert m.peak_bytes >= own + 300 * mib
+    assert memory.descendants_private_bytes() == 0
