@@ -111,12 +111,13 @@ def test_a_child_process_counts_on_top_of_this_ones():
     """A stage whose work runs in a child process (llama-quantize, a benchmark) held both processes'
     memory at once: its peak is this process's resident set plus the child's, not the larger one."""
     mib = 2**20
+    others = memory.descendants_private_bytes()  # children of earlier tests (e.g. multiprocessing's tracker)
     with memory.measure("cpu") as m:
         own = memory.current_rss_bytes()
         child = subprocess.Popen([sys.executable, "-c", HOLDER.format(mib=300, s=1.0)], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "held"
         during = memory.descendants_private_bytes()
         child.wait()
-    assert during >= 300 * mib
+    assert during >= others + 300 * mib
     assert m.peak_bytes >= own + 300 * mib
-    assert memory.descendants_private_bytes() == 0
+    assert memory.descendants_private_bytes() < others + 50 * mib  # an ended child counts no more
