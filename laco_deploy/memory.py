@@ -41,10 +41,15 @@ def proc_bytes(path: str, key: str) -> int | None:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _statm_rss_bytes(pid: int | str = "self") -> int:
+    """Resident set of process `pid` from /proc/PID/statm; raises OSError/IndexError/ValueError."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+
+
 def current_rss_bytes() -> int:
     """Resident set now: /proc/self/statm (cheaper than /proc/self/status, read every SAMPLE_S)."""
     try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
+        return _statm_rss_bytes()
     except (OSError, IndexError, ValueError):
         return proc_bytes("/proc/self/status", "VmRSS") or 0
 
@@ -88,7 +93,7 @@ def descendants_private_bytes() -> int:
             total += sum(int(line.split()[1]) * 1024 for line in rollup if line.startswith("Private_"))
         except (OSError, IndexError, ValueError):
             try:
-                total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE
+                total += _statm_rss_bytes(pid)
             except (OSError, IndexError, ValueError):
                 pass  # ended meanwhile
     return total
