@@ -15,6 +15,7 @@ the rank with one line; `claim_report` lets only the first failing rank print it
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -110,8 +111,12 @@ def init_from_env() -> bool:
 
 
 def teardown() -> None:
+    """Leave the job. Collected before and after so that no gloo work object (or tensor it holds)
+    is left for interpreter finalization, where freeing it can abort the process."""
     if active():
+        gc.collect()
         _dist().destroy_process_group()
+        gc.collect()
 
 
 def _collective(fn, *args, **kwargs):

@@ -13,6 +13,7 @@ ru_maxrss, so `/usr/bin/time -v` would report the last stage's peak instead of t
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -108,6 +109,7 @@ class _RssSampler:
         self._open: dict[int, list[int]] = {}  # id -> [max own bytes, max own + children bytes]
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def open(self) -> list[int]:
         own = current_rss_bytes()
@@ -127,12 +129,23 @@ class _RssSampler:
         box[0], box[1] = max(box[0], own), max(box[1], own + descendants_private_bytes())
         return box
 
+    def stop(self) -> None:
+        """End the thread before the interpreter finalizes: a daemon thread woken during finalization
+        is killed with pthread_exit, which can abort the process from inside a library's C++."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
     def _run(self) -> None:
         tick = 0
         while True:
             with self._wake:
-                while not self._open:
+                while not self._open and not self._stopping:
                     self._wake.wait()
+                if self._stopping:
+                    return
                 boxes = list(self._open.values())
             rss = current_rss_bytes()
             tree = rss + descendants_private_bytes() if tick % CHILDREN_EVERY == 0 else 0
@@ -143,6 +156,7 @@ class _RssSampler:
 
 
 _SAMPLER = _RssSampler()
+atexit.register(_SAMPLER.stop)
 
 
 def trim_heap() -> None:

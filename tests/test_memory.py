@@ -121,3 +121,13 @@ def test_a_child_process_counts_on_top_of_this_ones():
     assert during >= others + 300 * mib
     assert m.peak_bytes >= own + 300 * mib
     assert memory.descendants_private_bytes() < others + 50 * mib  # an ended child counts no more
+
+
+def test_the_sampler_thread_ends_when_stopped_even_with_a_measurement_open():
+    """stop() (registered with atexit) ends the daemon thread, so finalization never has to kill it."""
+    sampler = memory._RssSampler()
+    box = sampler.open()
+    assert sampler._thread.is_alive()
+    sampler.stop()
+    assert not sampler._thread.is_alive()
+    assert sampler.close(box)[0] > 0
