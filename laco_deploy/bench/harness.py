@@ -71,14 +71,21 @@ def plan_tokens(ids: list[int], bos_id: int | None, cfg: BenchConfig) -> dict[st
     return {"windows": windows, "prompt": prompt}
 
 
+NLL_ROWS = 32  # logits rows turned into float64 at a time (a whole 512 x 49,152 window: 3 x 96 MiB)
+
+
 def window_nll(logits: np.ndarray, tokens: list[int], first: int) -> np.ndarray:
     """Negative log-likelihoods of tokens[first+1:] given logits [n_ctx, vocab] of a window:
-    position j predicts token j+1, for j in first..n_ctx-2 (llama-perplexity). [n_ctx-1-first] float64."""
-    rows = logits[first : len(tokens) - 1].astype(np.float64)
-    rows = rows - rows.max(axis=1, keepdims=True)
-    logz = np.log(np.exp(rows).sum(axis=1))
+    position j predicts token j+1, for j in first..n_ctx-2 (llama-perplexity). [n_ctx-1-first] float64.
+    Computed NLL_ROWS rows at a time: every row's numbers are those of the whole window at once."""
     target = np.asarray(tokens[first + 1 :])
-    return logz - rows[np.arange(len(target)), target]
+    nll = np.empty(len(target), dtype=np.float64)
+    for start in range(0, len(target), NLL_ROWS):
+        rows = logits[first + start : first + min(start + NLL_ROWS, len(target))].astype(np.float64)
+        rows -= rows.max(axis=1, keepdims=True)
+        logz = np.log(np.exp(rows).sum(axis=1))
+        nll[start : start + len(rows)] = logz - rows[np.arange(len(rows)), target[start : start + len(rows)]]
+    return nll
 
 
 def perplexity(window_logits: Callable[[list[int]], np.ndarray], windows: list[list[int]]) -> dict[str, Any]:

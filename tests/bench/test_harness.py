@@ -103,3 +103,43 @@ def test_adapter_modules_keep_no_measurement_code():
         source = inspect.getsource(module)
         for needle in ("perf_counter", "VmHWM", "statistics", "/proc/cpuinfo", "subprocess"):
             assert needle not in source, (module.__name__, needle)
+
+
+def test_window_nll_in_row_chunks_equals_the_whole_window_at_once():
+    """A window longer than NLL_ROWS, in several chunks and a short last one: the numbers of the
+    whole-window float64 log-softmax, bit for bit, and next-token cross-entropy."""
+    import torch
+
+    from laco_deploy.bench.harness import NLL_ROWS, window_nll
+
+    rng = np.random.default_rng(0)
+    n, first = 3 * NLL_ROWS + 7, 5
+    logits = (rng.standard_normal((n, 300)) * 8).astype(np.float32)
+    tokens = rng.integers(0, 300, n).tolist()
+    rows = logits[first : n - 1].astype(np.float64)
+    rows = rows - rows.max(axis=1, keepdims=True)
+    whole = np.log(np.exp(rows).sum(axis=1)) - rows[np.arange(n - 1 - first), tokens[first + 1 :]]
+    got = window_nll(logits, tokens, first)
+    assert got.shape == (n - 1 - first,) and np.array_equal(got, whole)
+    want = torch.nn.functional.cross_entropy(torch.from_numpy(logits[first : n - 1]).double(),
+                                             torch.tensor(tokens[first + 1 :]), reduction="none")
+    assert np.allclose(got, want.numpy())
+
+
+def test_window_nll_holds_a_few_rows_in_float64_not_the_window():
+    """The bench child's perplexity pass peaked 250 MiB above its speed runs when a whole 512-token
+    window went to float64 (three [rows, vocab] temporaries): now NLL_ROWS rows at a time."""
+    import tracemalloc
+
+    from laco_deploy.bench.harness import NLL_ROWS, window_nll
+
+    n, vocab = 512, 8192
+    logits = np.random.default_rng(1).standard_normal((n, vocab), dtype=np.float32)  # 16 MiB
+    tracemalloc.start()
+    try:
+        window_nll(logits, [0] * n, n // 2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    whole_window = (n // 2) * vocab * 8  # one float64 copy of the scored half: 16 MiB
+    assert peak < 4 * NLL_ROWS * vocab * 8 < whole_window
