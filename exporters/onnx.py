@@ -67,7 +67,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     reference = check.reference(model, tokenizer) if check is not None else None
     with atomic_dir(out_dir) as tmp:
         proto = _build_graph(model, quant, notes, tmp / MODEL_FILE)
-        del model  # not needed any more: the weights are in the graph (and emptied: see _build_graph)
+        del model  # on the meta device now: its weights are in the graph's data file
         gc.collect()
         trim_heap()  # hand the tracer's freed blocks back before onnxruntime loads the weights again
         _add_metadata(proto, config, quant, sparse_storage, metadata)
@@ -130,24 +130,22 @@ def _load(model_dir: Path):
 def _build_graph(model, quant: str, notes: list[str], path: Path):
     """Trace the model in the requested precision into `path` (+ its data file) -> onnx.ModelProto:
     the graph with its weights on disk (int8: quantized, its weights in memory). Consumes `model`:
-    the traced model's parameters are emptied afterwards (onnx_graph.empty_weights)."""
-    import copy
-
+    it is on the meta device afterwards (onnx_graph.trace)."""
     import onnx
 
-    from exporters.onnx_graph import empty_weights, trace
+    from exporters.onnx_graph import trace
 
-    traced = copy.deepcopy(model).half() if quant == "fp16" else model
-    log.info("tracing %s with torch.onnx.export(dynamo=True)", type(model).__name__)
+    if quant == "fp16":
+        model.half()  # in place: the fp32 model is not needed once the parity reference is taken
+    log.info("tracing %s with torch.onnx.export(dynamo=True) on the meta device", type(model).__name__)
     try:
-        proto = trace(traced, path, DATA_FILE)
+        proto = trace(model, path, DATA_FILE)
+    except OSError:
+        raise  # a full disk or an unwritable folder: the caller's message names it
     except Exception as e:  # torch.export raises many internal error types
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed for {type(model).__name__} ({first}); "
                           "check the model loads in transformers and report the architecture") from e
-    finally:
-        empty_weights(traced)  # the exporter keeps references to it: let them pin no weights (issue 33)
-        del traced
     if quant == "int8":  # onnxruntime's quantizer works on the whole model in memory
         onnx.load_external_data_for_model(proto, str(path.parent))
         proto = _quantize_int8(proto, notes)

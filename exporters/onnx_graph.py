@@ -23,7 +23,7 @@ import logging
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -83,40 +83,45 @@ class KVDecoder(torch.nn.Module):
         return (out.logits, *present)
 
 
-def _trace_inputs(config: Any, dtype: torch.dtype) -> tuple:
+def _trace_inputs(config: Any, dtype: torch.dtype, device: str = "cpu") -> tuple:
     b, s, p = _TRACE_BATCH, _TRACE_SEQ, _TRACE_PAST
-    ids = torch.randint(0, config.vocab_size, (b, s))
-    mask = torch.ones(b, p + s, dtype=torch.long)
-    pos = torch.arange(p, p + s).expand(b, s).contiguous()
-    past = tuple(torch.randn(b, kv, p, d, dtype=dtype) for kv, d in kv_shapes(config) for _ in range(2))
+    ids = torch.randint(0, config.vocab_size, (b, s), device=device)
+    mask = torch.ones(b, p + s, dtype=torch.long, device=device)
+    pos = torch.arange(p, p + s, device=device).expand(b, s).contiguous()
+    past = tuple(torch.randn(b, kv, p, d, dtype=dtype, device=device) for kv, d in kv_shapes(config) for _ in range(2))
     return ids, mask, pos, past
 
 
 def trace(model: torch.nn.Module, path: Path, data_file: str):
     """Export `model` (on CPU, in the dtype it holds) to `path`, its weights streamed to `data_file`
     beside it, with symbolic batch, sequence and past lengths -> the graph as an onnx.ModelProto
-    whose weights stay in that file (external data). Raises whatever torch.export raises; the
+    whose weights stay in that file (external data). Consumes `model`: its weights go to a scratch
+    file beside `path` and the model to the meta device. Raises whatever torch.export raises; the
     caller wraps it.
 
-    Streaming the weights from the exporter's own model to disk, instead of converting it to an
-    in-memory ModelProto first, keeps one copy of the weights fewer in memory (issue 33)."""
+    Traced on the meta device (issue 33): tracing real weights held them, and onnxscript's folded,
+    transposed copy of each, beside the tracer's graph (export child on SmolLM2-135M fp32: ~1.3 GiB;
+    on meta the trace itself peaks ~260 MiB above the interpreter). Each initializer then reads its
+    tensor back from the scratch file when the data file is written (stream_weights)."""
     import onnx
     import onnx_ir
+    import onnxscript.optimizer
 
-    wrapper = KVDecoder(model).eval()
-    dtype = next(model.parameters()).dtype
-    ids, mask, pos, past = _trace_inputs(model.config, dtype)
-    dyn = torch.export.Dim.DYNAMIC
-    two_d = {0: dyn, 1: dyn}
-    shapes = (two_d, two_d, two_d, tuple({0: dyn, 2: dyn} for _ in past))
-    names_in, names_out = io_names(model.config.num_hidden_layers)
-    with torch.no_grad():
-        program = torch.onnx.export(wrapper, (ids, mask, pos, *past), dynamo=True, dynamic_shapes=shapes,
-                                    input_names=names_in, output_names=names_out,
-                                    optimize=True, verbose=False)
-    (path.parent / data_file).unlink(missing_ok=True)
-    onnx_ir.save(program.model, path, external_data=data_file, size_threshold_bytes=WEIGHT_INLINE_BYTES,
-                 max_in_flight_bytes=STREAM_BYTES)
+    from laco_deploy.memory import release_memory
+
+    scratch = path.parent / SCRATCH_FILE
+    try:
+        stash = stash_weights(model, scratch)
+        model.to("meta")
+        release_memory()
+        program = _export_on_meta(model)
+        stream_weights(program.model.graph, stash, scratch)
+        onnxscript.optimizer.optimize_ir(program.model)  # what torch.onnx.export(optimize=True) runs
+        (path.parent / data_file).unlink(missing_ok=True)
+        onnx_ir.save(program.model, path, external_data=data_file, size_threshold_bytes=WEIGHT_INLINE_BYTES,
+                     max_in_flight_bytes=STREAM_BYTES)
+    finally:
+        scratch.unlink(missing_ok=True)
     release_weights(program.model)
     del program
     forget_export_state()
@@ -124,19 +129,107 @@ def trace(model: torch.nn.Module, path: Path, data_file: str):
     for node in proto.graph.node:  # per-node debug records (FX node, stack trace): not needed to run
         del node.metadata_props[:]
     rename_dims(proto)
-    name_weights(proto, model, path.parent)
     return proto
+
+
+def _export_on_meta(model: torch.nn.Module):
+    """torch.onnx.export of KVDecoder(model), weights and example inputs on the meta device, without
+    onnxscript's optimizer (it folds constants by computing them, and meta tensors hold no values)."""
+    wrapper = KVDecoder(model).eval()
+    dtype = next(model.parameters()).dtype
+    ids, mask, pos, past = _trace_inputs(model.config, dtype, "meta")
+    dyn = torch.export.Dim.DYNAMIC
+    two_d = {0: dyn, 1: dyn}
+    shapes = (two_d, two_d, two_d, tuple({0: dyn, 2: dyn} for _ in past))
+    names_in, names_out = io_names(model.config.num_hidden_layers)
+    with torch.no_grad():
+        return torch.onnx.export(wrapper, (ids, mask, pos, *past), dynamo=True, dynamic_shapes=shapes,
+                                 input_names=names_in, output_names=names_out, optimize=False, verbose=False)
+
+
+SCRATCH_FILE = "weights.scratch"  # the model's tensors while the graph is traced on meta (deleted after)
+WRAPPER_PREFIX = "model."  # KVDecoder's attribute: traced names are "model." + the model's own names
+
+
+class Slot(NamedTuple):
+    """Where stash_weights put one tensor in the scratch file."""
+
+    offset: int
+    dtype: str  # numpy dtype string
+    shape: tuple[int, ...]
+
+
+def stash_weights(model: torch.nn.Module, scratch: Path) -> dict[str, Slot]:
+    """Write each parameter and buffer of `model` once to `scratch`, one tensor at a time -> its slot
+    by traced name (WRAPPER_PREFIX + name). Tied tensors share one slot."""
+    slots: dict[str, Slot] = {}
+    seen: dict[tuple, Slot] = {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with open(scratch, "wb") as f:
+        for name, tensor in named:
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+            if key not in seen:
+                array = tensor.detach().contiguous().numpy()
+                seen[key] = Slot(f.tell(), array.dtype.str, tuple(array.shape))
+                f.write(array.data if array.size else b"")
+            slots[WRAPPER_PREFIX + name] = seen[key]
+    return slots
+
+
+def _lazy(scratch: Path, slot: Slot, transpose: bool = False):
+    """An onnx_ir tensor that reads `slot` from `scratch` (transposed: a 2-D tensor's [1, 0]) each
+    time its bytes are asked for, so no more than the one being written is in memory."""
+    import numpy as np
+    import onnx_ir as ir
+
+    def load():
+        array = np.fromfile(scratch, dtype=np.dtype(slot.dtype), count=math.prod(slot.shape), offset=slot.offset)
+        array = array.reshape(slot.shape)
+        return ir.tensor(np.ascontiguousarray(array.T) if transpose else array)
+
+    shape = slot.shape[::-1] if transpose else slot.shape
+    return ir.LazyTensor(load, dtype=ir.DataType.from_numpy(np.dtype(slot.dtype)), shape=ir.Shape(shape))
+
+
+def stream_weights(graph, slots: dict[str, Slot], scratch: Path) -> None:
+    """Give the meta-traced `graph` its weights, read from `scratch` as they are written: tied
+    initializers become one; a 2-D weight read only by a Transpose [1, 0] (every linear layer's
+    x @ W.T) becomes one transposed initializer named after the module ("model.layers.0.mlp.up_proj
+    .weight.T"), as onnxscript's folding made it from real weights."""
+    import onnx_ir as ir
+
+    first: dict[Slot, Any] = {}
+    for name, value in list(graph.initializers.items()):
+        if name not in slots:
+            raise RuntimeError(f"traced initializer {name} is none of the model's parameters or buffers")
+        slot = slots[name]
+        if slot in first:
+            value.replace_all_uses_with(first[slot])
+            graph.initializers.pop(name)
+            continue
+        first[slot] = value
+        value.const_value = _lazy(scratch, slot)
+    for node in list(graph):
+        weight = node.inputs[0] if node.op_type == "Transpose" and node.inputs else None
+        if weight is None or not weight.is_initializer() or len(weight.uses()) != 1 or len(slots[weight.name].shape) != 2:
+            continue
+        perm = node.attributes.get("perm")
+        if perm is not None and list(perm.as_ints()) != [1, 0]:
+            continue
+        folded = ir.Value(name=weight.name[len(WRAPPER_PREFIX):] + ".T", type=ir.TensorType(weight.dtype),
+                          shape=ir.Shape(slots[weight.name].shape[::-1]),
+                          const_value=_lazy(scratch, slots[weight.name], transpose=True))
+        graph.register_initializer(folded)
+        node.outputs[0].replace_all_uses_with(folded)
+        graph.remove(node, safe=True)
+        graph.initializers.pop(weight.name)
 
 
 def release_weights(model) -> None:
     """Drop the traced onnx_ir `model`'s references to its weights once they are on disk.
 
     onnxscript's rewrite rules (module-level objects; onnxscript 0.7) keep the last graph they
-    matched after torch.onnx.export(optimize=True) returns, and with it every initializer: the
-    model's parameters and the folded, transposed copies that are views of them. transformers
-    maps the whole safetensors file as one storage, so one surviving parameter keeps all of it
-    resident: measured on SmolLM2-135M fp32, 513 MiB stayed mapped through the parity check
-    after the PyTorch model was deleted (issue 33)."""
+    matched after the optimizer returns, and with it every initializer (see _forget_rewriter_state)."""
     for value in model.graph.initializers.values():
         value.const_value = None
     model.graph.initializers.clear()
@@ -174,97 +267,6 @@ def _forget_rewriter_state() -> None:
                 for field in ("_graph", "_current_node", "_match", "_tracer"):
                     if getattr(matcher, field, None) is not None:
                         setattr(matcher, field, None)
-
-
-def empty_weights(module: torch.nn.Module) -> None:
-    """Give up the storage of `module`'s parameters and buffers (each becomes an empty tensor).
-
-    After torch.onnx.export, onnx_ir's graph keeps the parameters it lifted from graph inputs in its
-    bookkeeping, and onnxscript's rewrite rules keep that graph (see release_weights): a traced model
-    deleted by its owner stays resident. Emptying the parameters in place frees their storage
-    whoever still refers to the Parameter objects. For a model whose weights are on disk already."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-
-
-def name_weights(proto, model: torch.nn.Module, folder: Path | None = None) -> None:
-    """Name the folded, transposed linear weights (val_123) after their parameters
-    ("model.layers.0.mlp.up_proj.weight.T") so metadata, sparse storage and tools read well.
-    `folder`: where the weights of a proto with external data are. Both sides are hashed in
-    slices of about HASH_BYTES (weight_digest, initializer_digest): no whole transposed copy of
-    a weight, nor a whole initializer, is held (the tied head of SmolLM2-135M alone is 108 MiB)."""
-    wanted: dict[tuple, str] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            out_features, in_features = module.weight.shape
-            key = ((in_features, out_features), _np_dtype_str(module.weight.dtype), weight_digest(module.weight))
-            wanted[key] = f"{name}.weight.T"
-    renames: dict[str, str] = {}
-    taken = {t.name for t in proto.graph.initializer}
-    for init in proto.graph.initializer:
-        if len(init.dims) != 2 or not init.name.startswith("val_"):
-            continue
-        new = wanted.get((tuple(init.dims), _onnx_dtype_str(init.data_type), initializer_digest(init, folder)))
-        if new and new not in taken:
-            renames[init.name] = new
-            taken.add(new)
-            init.name = new
-    for node in proto.graph.node:
-        for i, name in enumerate(node.input):
-            if name in renames:
-                node.input[i] = renames[name]
-
-
-HASH_BYTES = 16 * 2**20  # slice size when hashing weights for name_weights
-
-
-def weight_digest(weight: torch.Tensor) -> str:
-    """sha1 of the bytes of weight.t().contiguous() ([in, out], C order), hashed in row slices."""
-    import hashlib
-
-    digest = hashlib.sha1()
-    w = weight.detach()  # [out, in]
-    step = max(1, HASH_BYTES // max(1, w.shape[0] * w.element_size()))
-    for start in range(0, w.shape[1], step):
-        digest.update(w[:, start:start + step].t().contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def initializer_digest(init, folder: Path | None) -> str:
-    """sha1 of an initializer's little-endian bytes: read from its external data file in slices,
-    or from the proto itself."""
-    import hashlib
-
-    from onnx import TensorProto, numpy_helper
-    from onnx.external_data_helper import ExternalDataInfo
-    from onnx.helper import tensor_dtype_to_np_dtype
-
-    digest = hashlib.sha1()
-    if init.data_location != TensorProto.EXTERNAL:
-        digest.update(numpy_helper.to_array(init).tobytes())
-        return digest.hexdigest()
-    info = ExternalDataInfo(init)
-    left = info.length or math.prod(init.dims) * tensor_dtype_to_np_dtype(init.data_type).itemsize
-    with open(Path(folder or ".") / info.location, "rb") as f:
-        f.seek(info.offset or 0)
-        while left:
-            chunk = f.read(min(left, HASH_BYTES))
-            if not chunk:
-                break
-            digest.update(chunk)
-            left -= len(chunk)
-    return digest.hexdigest()
-
-
-def _np_dtype_str(dtype: torch.dtype) -> str:
-    return str(torch.empty(0, dtype=dtype).numpy().dtype.str)
-
-
-def _onnx_dtype_str(data_type: int) -> str:
-    from onnx.helper import tensor_dtype_to_np_dtype
-
-    return tensor_dtype_to_np_dtype(data_type).str
 
 
 def rename_dims(proto) -> None:
