@@ -22,7 +22,6 @@ embeddings, norms and the KV cache stay fp32; needs onnxruntime >= 1.22).
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import shutil
@@ -37,7 +36,7 @@ from laco_deploy import families
 from laco_deploy.artifacts import ExportResult
 from laco_deploy.errors import ExportError, LacoError
 from laco_deploy.fsutil import atomic_dir
-from laco_deploy.memory import trim_heap
+from laco_deploy.memory import release_memory
 from laco_deploy.targets import ONNX
 
 log = logging.getLogger(__name__)
@@ -68,8 +67,7 @@ def export(model_dir: Path, out_dir: Path, quant: str, *, sparse_storage: bool =
     with atomic_dir(out_dir) as tmp:
         proto = _build_graph(model, quant, notes, tmp / MODEL_FILE)
         del model  # on the meta device now: its weights are in the graph's data file
-        gc.collect()
-        trim_heap()  # hand the tracer's freed blocks back before onnxruntime loads the weights again
+        release_memory()  # hand the tracer's freed blocks back before onnxruntime loads the weights again
         _add_metadata(proto, config, quant, sparse_storage, metadata)
         dense_bytes = _save(proto, tmp / MODEL_FILE)
         del proto  # the weights are on disk now; the check and sparse storage read them back from there

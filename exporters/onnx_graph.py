@@ -211,14 +211,14 @@ def stream_weights(graph, slots: dict[str, Slot], scratch: Path) -> None:
         value.const_value = _lazy(scratch, slot)
     for node in list(graph):
         weight = node.inputs[0] if node.op_type == "Transpose" and node.inputs else None
-        if weight is None or not weight.is_initializer() or len(weight.uses()) != 1 or len(slots[weight.name].shape) != 2:
+        if weight is None or not weight.is_initializer() or len(weight.uses()) != 1:
             continue
-        perm = node.attributes.get("perm")
-        if perm is not None and list(perm.as_ints()) != [1, 0]:
+        slot, perm = slots[weight.name], node.attributes.get("perm")
+        if len(slot.shape) != 2 or (perm is not None and list(perm.as_ints()) != [1, 0]):
             continue
+        lazy = _lazy(scratch, slot, transpose=True)
         folded = ir.Value(name=weight.name[len(WRAPPER_PREFIX):] + ".T", type=ir.TensorType(weight.dtype),
-                          shape=ir.Shape(slots[weight.name].shape[::-1]),
-                          const_value=_lazy(scratch, slots[weight.name], transpose=True))
+                          shape=lazy.shape, const_value=lazy)
         graph.register_initializer(folded)
         node.outputs[0].replace_all_uses_with(folded)
         graph.remove(node, safe=True)
