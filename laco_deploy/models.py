@@ -23,12 +23,11 @@ from typing import Any
 
 import torch
 
-from laco_deploy import distributed, families, modelcheck, structured
+from laco_deploy import distributed, families, gguf_convert, modelcheck, structured
 from laco_deploy.artifacts import record_gguf_source, with_provenance
 from laco_deploy.config import DEFAULT_MODEL
 from laco_deploy.errors import ModelError
 from laco_deploy.fsutil import atomic_dir, sha256_tree
-from laco_deploy.progress import library_bar
 from laco_deploy.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -269,67 +268,25 @@ def ensure_gguf_converted(gguf: Path) -> Path:
         record_gguf_source(target, gguf)
         return target
     modelcheck.check_gguf_readable(gguf)  # before the "converting" line: a corrupt file is one error, not a false start
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     log.info("converting %s to safetensors in %s (once; about a minute)", gguf, target)
-    _teach_gguf_reader()
+    gguf_convert.teach_gguf_reader()
+    unreadable = f"; check the file is a complete GGUF of a supported family ({families.NAMES})"
     try:
-        config = _gguf_config(gguf)
-        with library_bar("transformers.modeling_gguf_pytorch_utils", "converting GGUF", "tensor"):
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
-                                                         dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = gguf_convert.gguf_config(gguf)
     except (ValueError, OSError, KeyError, RuntimeError) as e:
-        raise ModelError(f"cannot load GGUF {gguf}: {e}; check the file is a complete GGUF of a supported family ({families.NAMES})") from e
-    check_architecture(model.config)
-    # transformers marks GGUF-loaded models as quantized; the weights are already plain floats
-    model.hf_quantizer = None
-    model.config.__dict__.pop("quantization_config", None)
+        raise ModelError(f"cannot load GGUF {gguf}: {e}{unreadable}") from e
+    check_architecture(config)
     with atomic_dir(target) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        try:  # the tokenizer after the weights: its vocabulary's Python objects are not held meanwhile
+            gguf_convert.write_gguf_weights(gguf, config, tmp)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except (ValueError, KeyError, RuntimeError) as e:  # OSError (disk full) goes up as it is
+            raise ModelError(f"cannot load GGUF {gguf}: {e}{unreadable}") from e
         tok.save_pretrained(tmp)
         record_gguf_source(tmp, gguf)
     return target
-
-
-# GGUF architectures transformers' GGUF reader does not know, read as one it knows with the same keys and
-# tensor layout: llama.cpp's converter writes SmolLM3 as Llama's tensors (Q/K rows reordered) under
-# `smollm3`. The model is still built from config model_type `smollm3`, whose default NoPE pattern
-# (every 4th layer) is the one llama.cpp fixes for that architecture.
-_GGUF_READ_AS = {"smollm3": "llama"}
-
-
-def _teach_gguf_reader() -> None:
-    """Add the _GGUF_READ_AS architectures to transformers' GGUF tables (once; a transformers that
-    knows one already keeps its own entry)."""
-    from transformers import modeling_gguf_pytorch_utils as reader
-    from transformers.integrations import ggml
-
-    for arch, like in _GGUF_READ_AS.items():
-        if arch in reader.GGUF_SUPPORTED_ARCHITECTURES:
-            continue
-        ggml.GGUF_CONFIG_MAPPING[arch] = ggml.GGUF_CONFIG_MAPPING[like]
-        reader.TENSOR_PROCESSORS[arch] = reader.TENSOR_PROCESSORS[like]
-        reader.GGUF_SUPPORTED_ARCHITECTURES.append(arch)
-
-
-def _gguf_config(gguf: Path):
-    """transformers' config for a GGUF file, with the keys its GGUF mapping does not read filled in
-    from the file: head_dim from `{arch}.attention.key_length` (Qwen3 and Gemma heads are not
-    hidden / heads wide; without it the layers are built at the wrong size), and Gemma's query
-    scale, which llama.cpp's graphs take from head_dim (the GGUF has no key for it)."""
-    from gguf import GGUFReader
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    reader = GGUFReader(str(gguf), "r")
-    arch = reader.get_field("general.architecture").contents()
-    key_length = reader.get_field(f"{arch}.attention.key_length")
-    if key_length is not None and hasattr(config, "head_dim"):
-        config.head_dim = int(key_length.contents())
-    if hasattr(config, "query_pre_attn_scalar"):  # Gemma: llama.cpp scales queries by 1/sqrt(head_dim)
-        config.query_pre_attn_scalar = config.head_dim
-    return config
 
 
 def _hub_snapshot(repo_id: str) -> Path:

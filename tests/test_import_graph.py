@@ -24,7 +24,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
                    D + "families", D + "structured", D + "fsutil", D + "versions", D + "devices", D + "flops",
                    D + "memory", D + "isolated", D + "progress", D + "throughput", D + "distributed", D + "data", D + "divergence",
                    D + "budget_table")),
-    ("models", (D + "modelcheck", D + "models", D + "sizing", D + "checked", D + "tokenizer")),
+    ("models", (D + "modelcheck", D + "models", D + "gguf_convert", D + "sizing", D + "checked", D + "tokenizer")),
     ("engine, exporters", (D + "engine", "exporters")),
     ("runtimes", (D + "runtimes",)),
     ("stages", (D + "prune", D + "compensate", D + "fidelity", D + "imatrix")),

@@ -21,7 +21,7 @@ import pytest
 from laco_deploy.cli import output
 from laco_deploy.cli.output import Verbosity
 
-# Every `desc=` given to laco_deploy.progress.progress_bar / library_bar; the layer walk prefixes "layer i/n ".
+# Every `desc=` given to laco_deploy.progress.progress_bar; the layer walk prefixes "layer i/n ".
 OUR_BARS = {"prune", "LaCo", "final KL pass", "dense teacher", "owl outliers", "layers", "fidelity", "llama.cpp bench",
             "onnxruntime bench", "converting GGUF", "parity check"}
 BAR = re.compile(r"^(?:layer \d+/\d+ )?(?P<desc>.+?): +\d+%\|")
