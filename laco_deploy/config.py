@@ -144,7 +144,7 @@ class CompensateConfig:
     # 2 passes over 256 samples beat 1 over 512 on every domain at 78% of its wall (3 passes: no better);
     # at 32-128 samples 1 pass over 4x more samples had won (generalization_sweep, RESULTS.md)
     epochs: int = 2
-    lr: float = 3e-3
+    lr: float | None = None  # None: the model family's (Family.layer_lr: 3e-3 on SmolLM2, 3e-4 for Gemma 2/3)
     # a layer whose first epoch ends no better than it started restarts at lr * lr_backoff, up to lr_retries
     # times (Gemma 3 270M's small linears diverged at 3e-3, improved at 3e-4; RESULTS.md)
     lr_backoff: float = 0.1
@@ -238,7 +238,7 @@ class CompensateConfig:
             errs.append(f"compensate.lsq_token_weight {self.lsq_token_weight!r} is not one of none, nmse")
         if self.lsq_damp <= 0:
             errs.append(f"compensate.lsq_damp {self.lsq_damp} must be positive")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:
             errs.append(f"compensate.lr {self.lr} must be positive")
         if not 0.0 < self.lr_backoff < 1.0 or self.lr_retries < 0:
             errs.append(f"compensate.lr_backoff {self.lr_backoff} must be in (0, 1) and compensate.lr_retries "

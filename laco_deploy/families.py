@@ -46,6 +46,10 @@ class Family:
     # ~1000x the median: a per-token nmse is all theirs and lets the rest drift (held-out KL of the walk
     # 0.86 -> 3.27 with nmse, -> 0.33 per channel; RESULTS.md); SmolLM2 does better per token (0.49 vs 0.53)
     layer_loss: str = "nmse"
+    # LaCo's AdamW rate when compensate.lr is unset. AdamW moves each weight by ~lr a step whatever its
+    # size: 3e-3 suits SmolLM2's linears (RMS ~0.19); Gemma's (~0.04, its scale is in the (1 + w) norms)
+    # closed more of every domain's gap at 3e-4 than at 3e-3 or 1e-4 at 256 samples (RESULTS.md)
+    layer_lr: float = 3e-3
 
     def module_names(self, targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:
         """Short names of the layer's linears the targets (projection names) select."""
@@ -76,12 +80,12 @@ TABLE: tuple[Family, ...] = (
     # full-attention layers (config.layer_types; the engine gives each its own mask), tied head
     Family("Gemma2ForCausalLM", "gemma2", "Gemma 2", "Gemma2DecoderLayer",
            norms=GEMMA_NORMS, residual_writers={}, logit_softcap_key="final_logit_softcapping",
-           layer_loss="channel_nmse"),
+           layer_loss="channel_nmse", layer_lr=3e-4),
     # Gemma 3 (text): Gemma 2's layer with q/k norms instead of attention soft-capping, five sliding
     # layers (local RoPE base) per full layer (global RoPE base): per-type masks and RoPE tables
     Family("Gemma3ForCausalLM", "gemma3_text", "Gemma 3", "Gemma3DecoderLayer",
            norms=GEMMA_NORMS + ("self_attn.q_norm", "self_attn.k_norm"), residual_writers={},
-           logit_softcap_key="final_logit_softcapping", layer_loss="channel_nmse"),
+           logit_softcap_key="final_logit_softcapping", layer_loss="channel_nmse", layer_lr=3e-4),
     # Phi-3 / Phi-3.5 mini: Llama's layer with q/k/v fused into qkv_proj ([q; k; v] rows) and gate/up
     # into gate_up_proj ([gate; up] rows); NEOX RoPE; untied head
     Family("Phi3ForCausalLM", "phi3", "Phi-3", "Phi3DecoderLayer", attention=("qkv_proj", "o_proj"),
@@ -119,6 +123,12 @@ def layer_loss(config: Any) -> str:
     """LaCo's layer loss for a model of this config when the user names none."""
     family = of_config(config)
     return family.layer_loss if family is not None else "nmse"
+
+
+def layer_lr(config: Any) -> float:
+    """LaCo's learning rate for a model of this config when the user names none."""
+    family = of_config(config)
+    return family.layer_lr if family is not None else Family.layer_lr
 
 
 def logit_softcap(config: Any) -> float | None:

@@ -48,8 +48,9 @@ def test_build_runs_every_stage(family_dir, target, tmp_path, cli):
     fidelity = json.loads((out / "fidelity.json").read_text())
     assert fidelity and manifest["summary"]["sparsity"] == pytest.approx(0.5, abs=0.02)
     # no loss configured: the family's (Gemma's residual stream needs the per-channel one)
-    recorded = json.loads((out / "recovered" / "config.json").read_text())["laco_deploy"]["loss"]
-    assert recorded == ("channel_nmse" if arch.startswith("gemma") else "nmse")
+    recorded = json.loads((out / "recovered" / "config.json").read_text())["laco_deploy"]
+    assert recorded["loss"] == ("channel_nmse" if arch.startswith("gemma") else "nmse")
+    assert recorded["lr"] == (3e-4 if arch.startswith("gemma") else 3e-3)  # and the family's rate (CPU: unscaled)
     if target == "gguf":
         import gguf
 

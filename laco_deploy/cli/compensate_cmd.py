@@ -55,7 +55,7 @@ def compensate_command(
     method: Annotated[str, typer.Option("--method", help="laco (layer-wise), lora (PEFT LoRA baseline, whole model) or none (copy).")] = _C.method,
     loss: Annotated[Optional[str], typer.Option("--loss", help=f"LaCo loss, one of {', '.join(LOSSES)}: nmse is per-token normalized, channel_nmse per hidden channel (for residual streams with a few huge channels), subblock fits attention and MLP outputs separately. Default: the model family's (channel_nmse for Gemma 2/3, nmse for the others).")] = _C.loss,
     epochs: Annotated[int, typer.Option("--epochs", help="Passes over the calibration samples per layer (LoRA: over the model).")] = _C.epochs,
-    lr: Annotated[float, typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule).")] = _C.lr,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="LaCo AdamW learning rate (cosine schedule). Default: the model family's (3e-4 for Gemma 2/3, whose linears are ~5x smaller; 3e-3 for the others).")] = _C.lr,
     lr_last_factor: Annotated[float, typer.Option("--lr-last-factor", help="LaCo: the last layer's LR is lr * this (geometric decay over depth).")] = _C.lr_last_factor,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help=(
         f"Samples per training step (memory grows with it). Default: by device: {_C.cpu_batch_size} on a CPU; on a GPU "

@@ -12,6 +12,7 @@ samples the walk never saw, their dense teacher walked on the dense path alone (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from laco_deploy import devices, distributed, sizing
+from laco_deploy import devices, distributed, families, sizing
 from laco_deploy.compensate import distill, lsq, steps
 from laco_deploy.compensate.fakequant import fake_quantized
 from laco_deploy.compensate.guard import ModelGuard
@@ -92,11 +93,13 @@ def dense_mid_cache(ctx: LayerContext) -> ActivationCache:
     return cache
 
 
-def layer_lr(cfg: CompensateConfig, index: int, num_layers: int) -> float:
-    """Learning rate of layer `index`: `lr`, decayed geometrically to lr * lr_last_factor at the last layer."""
+def layer_lr(cfg: CompensateConfig, index: int, num_layers: int, layer: torch.nn.Module) -> float:
+    """Learning rate of layer `index`: `lr` (unset: the layer's family's), decayed geometrically to
+    lr * lr_last_factor at the last layer."""
+    lr = cfg.lr if cfg.lr is not None else families.of_layer(layer).layer_lr
     if num_layers <= 1:
-        return cfg.lr
-    return cfg.lr * cfg.lr_last_factor ** (index / (num_layers - 1))
+        return lr
+    return lr * cfg.lr_last_factor ** (index / (num_layers - 1))
 
 
 def _refit(ctx: LayerContext, trainer: LayerTrainer, masks, cfg: CompensateConfig, split) -> tuple[float, bool]:
@@ -131,7 +134,7 @@ def make_step(cfg: CompensateConfig, targets: tuple[str, ...], split: tuple[torc
                              ctx.dense_inputs if cfg.dense_input_mix > 0 else None, shard)
             dense = list(ctx.dense_layer.parameters()) if ctx.dense_layer is not None else []
             resident = list(ctx.layer.parameters()) + dense
-            trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers),
+            trainer = LayerTrainer(ctx.layer, data, masks, cfg, layer_lr(cfg, ctx.index, ctx.num_layers, ctx.layer),
                                    ctx.device, seed + ctx.index, resident,
                                    scratch / "best_state.safetensors" if scratch is not None else None)
             refit = _refit(ctx, trainer, masks, cfg, split) if cfg.init == "lsq" else None
@@ -212,8 +215,10 @@ def compensate(dense_model, sparse_model, input_ids: torch.Tensor, cfg: Compensa
 
 def _settled(cfg: CompensateConfig, sparse_model, input_ids: torch.Tensor, kl_samples: int,
              device: torch.device) -> CompensateConfig:
-    """For a caller other than the stage: steps by device, as the stage sizes them (an unset loss is
-    the family's, taken by LayerTrainer)."""
+    """For a caller other than the stage: the family's learning rate when unset, and steps by device, as
+    the stage sizes them (an unset loss is the family's, taken by LayerTrainer)."""
+    if cfg.lr is None:
+        cfg = dataclasses.replace(cfg, lr=families.layer_lr(sparse_model.config))
     if cfg.batch_size is None:
         n_train = input_ids.shape[0] - kl_samples
         cfg = steps.plan(cfg, input_ids.shape[1], n_train - int(n_train * cfg.val_fraction),

@@ -70,12 +70,13 @@ def training_throughput(records: list[dict], lora_record: dict | None, reference
     return throughput_record(gflop, seconds, reference_gflops) if gflop > 0 else None
 
 
-def _lr_notes(records: list[dict], cfg: CompensateConfig) -> list[str]:
-    """Layers that trained at a smaller lr than cfg.lr (train.LayerTrainer.fit), and layers no epoch improved."""
+def _lr_notes(records: list[dict]) -> list[str]:
+    """Layers that trained at a smaller lr than their first (train.LayerTrainer.fit), and layers no epoch improved."""
     notes = []
     retried = [r["layer"] for r in records if len(r.get("lr_tried", ())) > 1]
     if retried:
-        notes.append(f"{len(retried)} of {len(records)} layers rose in their first epoch at lr {cfg.lr:g} and started over "
+        first = next(r["lr_tried"][0] for r in records if len(r.get("lr_tried", ())) > 1)
+        notes.append(f"{len(retried)} of {len(records)} layers rose in their first epoch at lr {first:g} and started over "
                      f"at a smaller one (layers {', '.join(map(str, retried))})")
     kept = [r["layer"] for r in records if r.get("best_epoch") == 0]
     if kept:
@@ -102,7 +103,7 @@ def result_record(out_dir: Path, info: dict, cfg: CompensateConfig, budget, befo
         nb = sum(r["nmse_before"] for r in records) / len(records)
         na = sum(r["nmse_after"] for r in records) / len(records)
         notes.append(f"mean layer nmse {nb:.4g} -> {na:.4g} ({records[0]['measured_on']} samples)")
-        notes.extend(_lr_notes(records, cfg))
+        notes.extend(_lr_notes(records))
     if speed is not None and speed["gflop"] == NOT_COUNTED:
         notes.append("training throughput not counted: the FLOP counter failed (the debug log says why)")
     elif speed is not None:

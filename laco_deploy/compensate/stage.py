@@ -104,8 +104,10 @@ def _copy_only(sparse_dir: Path, out_dir: Path, comp_cfg: CompensateConfig) -> M
 def _plan(comp_cfg: CompensateConfig, data_cfg: DataConfig, device: torch.device, sparse_dir: Path):
     """The budget, precision and step size this run uses; -> (settings with them, budget, step plan)."""
     budget = resolve_budget(comp_cfg, data_cfg, device)
+    model_config = json.loads((sparse_dir / "config.json").read_text())
     comp_cfg = dataclasses.replace(comp_cfg, precision=resolve_precision(comp_cfg.precision, device),
-                                   loss=comp_cfg.loss or families.layer_loss(json.loads((sparse_dir / "config.json").read_text())))
+                                   loss=comp_cfg.loss or families.layer_loss(model_config),
+                                   lr=comp_cfg.lr if comp_cfg.lr is not None else families.layer_lr(model_config))
     train_samples = budget.samples - int(budget.samples * comp_cfg.val_fraction)  # as split_indices holds out
     step_plan = steps.plan(comp_cfg, budget.seqlen, train_samples, sizing.model_bytes(sparse_dir),
                            devices.traits(device), comp_cfg.needs_dense_layer)

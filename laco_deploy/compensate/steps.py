@@ -36,7 +36,9 @@ class StepPlan:
     reason: str  # one sentence for the log and the record
 
     def apply(self, cfg: CompensateConfig) -> CompensateConfig:
-        """`cfg` with these batch sizes and the scaled learning rates."""
+        """`cfg` with these batch sizes and the scaled learning rates (lr resolved: the family's when unset)."""
+        if cfg.lr is None:
+            raise ValueError("compensate.lr is unset: resolve it (families.layer_lr) before scaling it with the step")
         return dataclasses.replace(cfg, batch_size=self.batch_size, final_kl_batch_size=self.final_kl_batch_size,
                                    lr=cfg.lr * self.lr_scale, lora_lr=cfg.lora_lr * self.lr_scale,
                                    final_kl_lr=cfg.kl_lr * self.final_kl_lr_scale)

@@ -206,3 +206,22 @@ def test_the_family_names_the_loss_when_the_user_does_not():
     assert families.layer_loss({"architectures": ["LlamaForCausalLM"]}) == "nmse"
     assert families.layer_loss({"architectures": ["Unknown"]}) == "nmse"
     assert CompensateConfig(loss="bogus").validate()
+
+
+def test_the_family_names_the_learning_rate_when_the_user_does_not(tiny_gemma3_dir):
+    """Gemma's linears are ~5x smaller than SmolLM2's: 3e-4 unless the user names a rate; a direct
+    caller (not the stage) gets it from the layer, and an explicit rate always wins."""
+    from laco_deploy import families
+    from laco_deploy.compensate.laco import layer_lr
+    from laco_deploy.models import load_model
+
+    assert CompensateConfig().lr is None and not CompensateConfig().validate()
+    assert families.layer_lr({"architectures": ["Gemma3ForCausalLM"]}) == 3e-4
+    assert families.layer_lr({"model_type": "gemma2"}) == 3e-4
+    assert families.layer_lr({"architectures": ["LlamaForCausalLM"]}) == 3e-3
+    assert families.layer_lr({"architectures": ["Unknown"]}) == 3e-3
+    layer = load_model(str(tiny_gemma3_dir)).model.model.layers[0]
+    assert layer_lr(CompensateConfig(), 0, 6, layer) == 3e-4
+    assert layer_lr(CompensateConfig(lr=1e-3), 0, 6, layer) == 1e-3
+    assert layer_lr(CompensateConfig(lr_last_factor=0.5), 5, 6, layer) == pytest.approx(1.5e-4)
+    assert CompensateConfig(lr=0.0).validate() and CompensateConfig(lr=-1e-3).validate()

@@ -46,7 +46,7 @@ PAPER = {"seqlen": 256, "train_samples": 1792}  # 2,048 samples, 1/8 held out
 
 
 def test_cpu_keeps_its_default_and_explicit_batches_win(smollm2):
-    cfg = CompensateConfig()
+    cfg = CompensateConfig(lr=3e-3)  # the family's, as the stage resolves it before sizing steps
     p = steps.plan(cfg, w=smollm2, traits=CPU, **PAPER)
     assert (p.batch_size, p.final_kl_batch_size, p.lr_scale) == (cfg.cpu_batch_size, cfg.cpu_batch_size, 1.0)
     applied = p.apply(cfg)
@@ -58,7 +58,7 @@ def test_cpu_keeps_its_default_and_explicit_batches_win(smollm2):
 def test_an_h200_takes_steps_of_the_target_tokens(smollm2):
     """139 GiB free: the default model's step grows to 16,384 tokens (64 x 256), its final pass too,
     and the learning rates by sqrt(64 / 2)."""
-    cfg = CompensateConfig()
+    cfg = CompensateConfig(lr=3e-3)
     p = steps.plan(cfg, w=smollm2, traits=gpu(139), **PAPER)
     assert p.batch_size * PAPER["seqlen"] == cfg.gpu_tokens_per_step
     assert p.final_kl_batch_size == p.batch_size
@@ -66,6 +66,8 @@ def test_an_h200_takes_steps_of_the_target_tokens(smollm2):
     applied = p.apply(cfg)
     assert applied.lr == pytest.approx(cfg.lr * math.sqrt(32)) and applied.final_kl_lr == pytest.approx(
         cfg.kl_lr * math.sqrt(32))
+    with pytest.raises(ValueError, match="compensate.lr"):  # an unset rate would go unscaled
+        p.apply(CompensateConfig())
 
 
 @pytest.mark.parametrize("free_gib", [2, 8, 24, 139])
