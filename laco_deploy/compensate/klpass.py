@@ -5,7 +5,8 @@ The whole pruned model trains at once, but it is never held as one autograd grap
   ([batch, seq, hidden] per layer: 0.6 MiB at 2 x 128 tokens of width 576);
 - the KL to the dense logits on chunks of `sizing.KL_CHUNK_TOKENS` tokens, each chunk's logits made,
   compared and backpropagated to the last hidden state before the next (the full [tokens, vocab]
-  logits, ~12 fp32 copies of them with softmax and gradient, are never alive together);
+  logits, ~12 fp32 copies of them with softmax and gradient, are never alive together; a large head
+  is cast to the autocast dtype in row blocks, not whole per chunk);
 - backward: layer after layer from the last, each recomputed from its saved input with grad
   (activation checkpointing at layer granularity), backpropagated with the gradient of its output,
   its weights stepped by the hooks of distill.StepInBackward as their gradients complete.
@@ -93,10 +94,48 @@ class LayerStack:
             self.close(i, changed=True)
 
 
+# Under autocast a [vocab, hidden] head is cast whole for every call (and kept for its backward): 335 MB
+# at Gemma 3's 262k x 640, the final pass's peak. Heads with more rows go HEAD_BLOCK_ROWS rows at a time.
+HEAD_BLOCK_ROWS = 65536
+
+
+class _BlockedHead(torch.autograd.Function):
+    """x @ W.T in the autocast dtype, W cast HEAD_BLOCK_ROWS rows at a time in both directions; the
+    gradient flows to x only (the head is frozen in the final pass and the guard)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        x = x.to(dtype)
+        out = x.new_empty(*x.shape[:-1], weight.shape[0])
+        for start in range(0, weight.shape[0], HEAD_BLOCK_ROWS):
+            out[..., start:start + HEAD_BLOCK_ROWS] = x @ weight[start:start + HEAD_BLOCK_ROWS].to(dtype).T
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        grad_x = None
+        for start in range(0, weight.shape[0], HEAD_BLOCK_ROWS):
+            part = (grad[..., start:start + HEAD_BLOCK_ROWS].to(ctx.dtype) @ weight[start:start + HEAD_BLOCK_ROWS].to(ctx.dtype)).float()
+            grad_x = part if grad_x is None else grad_x.add_(part)
+        return grad_x.to(ctx.x_dtype), None, None
+
+
+def _lm_head(head: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    device = x.device.type
+    if head.bias is not None or head.weight.shape[0] <= HEAD_BLOCK_ROWS or not torch.is_autocast_enabled(device):
+        return head(x)
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False):
+        return _BlockedHead.apply(x, head.weight, dtype)
+
+
 def head_logits(model, hidden: torch.Tensor, softcap: float | None, *, norm: bool = True) -> torch.Tensor:
     """Last hidden states (before the final norm, or after it with norm=False) through the model's
     own final norm, LM head and soft-capping. [..., hidden] -> [..., vocab]."""
-    logits = model.lm_head(model.model.norm(hidden) if norm else hidden)
+    logits = _lm_head(model.lm_head, model.model.norm(hidden) if norm else hidden)
     return torch.tanh(logits / softcap) * softcap if softcap is not None else logits
 
 

@@ -106,3 +106,28 @@ def test_only_the_first_step_maps_its_allocations(tiny_llama_dir, sparse_unstruc
                              device=CPU, kwargs=inputs.kwargs_per_layer(len(decoder_layers(model)), CPU), seed=0,
                              shard=distributed.shard(12), restore=lambda i, layer: None)
     assert final["steps"] > 1 and entered == [distill.FIRST_STEP_MMAP]
+
+
+def test_a_large_head_under_autocast_is_cast_in_row_blocks(sparse_unstructured_dir, monkeypatch):
+    """A head with more than HEAD_BLOCK_ROWS rows (Gemma 3's 262k) is cast a block of rows at a time,
+    forward and backward, instead of whole per call: the logits equal autocast's whole-matrix ones and
+    the gradient to the hidden states matches the fp32 one as closely as autocast's does."""
+    model = load_model(str(sparse_unstructured_dir)).model.requires_grad_(False)
+    monkeypatch.setattr(klpass, "HEAD_BLOCK_ROWS", 7)  # uneven blocks of the tiny vocabulary
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, model.config.hidden_size)
+    grad = torch.randn(2, 5, model.config.vocab_size)
+    outs = {}
+    for name, fn in {"whole": model.lm_head, "blocked": lambda h: klpass._lm_head(model.lm_head, h)}.items():
+        h = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = fn(h)
+        logits.float().backward(grad)
+        outs[name] = (logits, h.grad)
+    assert outs["blocked"][0].dtype == torch.bfloat16
+    assert torch.allclose(outs["blocked"][0].float(), outs["whole"][0].float(), atol=1e-2, rtol=1e-2)
+    exact = grad @ model.lm_head.weight  # the fp32 gradient
+    err = {k: (g - exact).abs().max().item() for k, (_, g) in outs.items()}
+    assert err["blocked"] <= err["whole"] + 1e-6, err
+    h = x.clone()
+    assert torch.equal(klpass._lm_head(model.lm_head, h), model.lm_head(h))  # no autocast: the plain head
