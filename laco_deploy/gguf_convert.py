@@ -81,7 +81,8 @@ def write_gguf_weights(gguf: Path, config: Any, folder: Path) -> int:
     arch, tensors = reader.get_field("general.architecture").contents(), list(reader.tensors)
     del reader  # its parsed metadata (a 262k vocabulary: ~650 MiB of small objects) is not needed for weights
     release_memory()
-    processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=config.to_dict())
+    settings = config.to_dict()
+    processor = hf_gguf.TENSOR_PROCESSORS.get(arch, hf_gguf.TensorProcessor)(config=settings)
     names = hf_gguf.get_gguf_hf_weights_map(skeleton, processor)
     waiting: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
@@ -94,7 +95,7 @@ def write_gguf_weights(gguf: Path, config: Any, folder: Path) -> int:
         waiting.clear()
 
     for tensor in progress_bar(tensors, desc="converting GGUF", unit="tensor"):
-        parsed = {"tensors": {}, "config": config.to_dict()}  # what some processors stash into
+        parsed = {"tensors": {}, "config": settings}  # what some processors stash into
         result = processor.process(weights=_dequantize(tensor), name=tensor.name,
                                    tensor_key_mapping=names, parsed_parameters=parsed)
         found = [(names[result.name], result.weights)] if result.name in names else []
