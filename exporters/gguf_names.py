@@ -130,8 +130,12 @@ QUANTS: dict[str, QuantSpec] = {
     "q4_k_m": QuantSpec(gguf.LlamaFileType.MOSTLY_Q4_K_M, None, "LLAMA_FTYPE_MOSTLY_Q4_K_M"),
     "q5_k_m": QuantSpec(gguf.LlamaFileType.MOSTLY_Q5_K_M, None, "LLAMA_FTYPE_MOSTLY_Q5_K_M"),
     "q6_k": QuantSpec(gguf.LlamaFileType.MOSTLY_Q6_K, None, "LLAMA_FTYPE_MOSTLY_Q6_K"),
+    # the small (_S) mixes: fewer tensors promoted to more bits than their _M siblings
+    "q5_k_s": QuantSpec(gguf.LlamaFileType.MOSTLY_Q5_K_S, None, "LLAMA_FTYPE_MOSTLY_Q5_K_S"),
+    "q4_k_s": QuantSpec(gguf.LlamaFileType.MOSTLY_Q4_K_S, None, "LLAMA_FTYPE_MOSTLY_Q4_K_S"),
     # below 4 bits: mostly the dense model's size rivals for the frontier's equal-size comparison
     "q3_k_m": QuantSpec(gguf.LlamaFileType.MOSTLY_Q3_K_M, None, "LLAMA_FTYPE_MOSTLY_Q3_K_M"),
+    "q3_k_s": QuantSpec(gguf.LlamaFileType.MOSTLY_Q3_K_S, None, "LLAMA_FTYPE_MOSTLY_Q3_K_S"),
     "q2_k": QuantSpec(gguf.LlamaFileType.MOSTLY_Q2_K, None, "LLAMA_FTYPE_MOSTLY_Q2_K"),
 }
 

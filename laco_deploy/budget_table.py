@@ -36,8 +36,9 @@ MIB = 2**20
 # tied embedding as the output tensor, Q6_K (6.56), or Q8_0 (8.5) where its rows are not a multiple of
 # 256 (SmolLM2's 576, Gemma 3's 640): 8.5, an over-estimate for the others. ONNX int8 quantizes MatMul
 # weights only: the embedding's Gather table stays fp32.
-EMBED_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q6_k": 8.5, "q5_k_m": 8.5, "q4_k_m": 8.5,
-              "q3_k_m": 8.5, "q2_k": 8.5, "fp32": 32.0, "fp16": 16.0, "int8": 32.0}
+EMBED_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5,
+              **dict.fromkeys(("q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q3_k_s", "q2_k"), 8.5),
+              "fp32": 32.0, "fp16": 16.0, "int8": 32.0}
 
 
 @dataclass(frozen=True)

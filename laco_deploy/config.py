@@ -24,7 +24,7 @@ PRUNABLE_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
 FFN_LINEARS = ("gate_proj", "up_proj", "down_proj")  # structured pruning of FFN channels only
 TRAINABLE = ("weights", "channel", "lowrank")  # what LaCo trains; see compensate/corrections.py
 # compensate.quant_aware: export types whose weights LaCo trains through (compensate/fakequant.py)
-QUANT_AWARE = ("q8_0", "q4_k", "q4_k_m", "q6_k", "q5_k_m", "q5_k_s", "q3_k_m", "q3_k_s", "q2_k", "int8")
+QUANT_AWARE = ("q8_0", "q4_k", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q3_k_s", "q2_k", "int8")
 INITS = ("pruned", "lsq")  # where LaCo training starts; see compensate/lsq.py
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # LaCo/LoRA compute (train.py amp_dtype); state stays fp32
 # a build's quick zero-shot row: 90 shipped last-word passages (data/tasks/README.md: cost); build --no-tasks: off

@@ -102,7 +102,7 @@ class Target:
 GGUF = Target(
     name="gguf",
     runtime="llama.cpp",
-    quant_types=("f32", "f16", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k", "q3_k_m", "q2_k"),  # = exporters.gguf_names.QUANTS
+    quant_types=("f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q3_k_s", "q2_k"),  # = exporters.gguf_names.QUANTS
     default_quant="q8_0",
     exporter="exporters.gguf:export",
     check="laco_deploy.runtimes.parity:gguf_parity",
@@ -111,7 +111,7 @@ GGUF = Target(
     artifact="{stem}.{quant}.gguf",
     build_artifact="model.{quant}.gguf",
     file_suffix=".gguf",
-    imatrix_quants=("q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k"),  # = exporters.gguf_names.QUANTS without tensor_type
+    imatrix_quants=("q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q3_k_s", "q2_k"),  # = exporters.gguf_names.QUANTS without tensor_type
     written_here="exporters.gguf_check:written_here",
     description="llama.cpp",
     context_option="n_ctx",  # its logits buffers are n_ctx x vocab floats

@@ -26,8 +26,8 @@ ftype (`llama_tensor_get_type` in src/llama-quant.cpp of the llama.cpp that llam
 vendors; `_mix` below, e.g. Q6_K for attn_v and ffn_down in the layers `use_more_bits` picks in
 Q4_K_M / Q5_K_M), then its fallback for rows that are not a multiple of 256 (`_FALLBACK`: Q2_K and
 Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 for rows not a multiple of 32), e.g.
-the 576-wide rows of SmolLM2-135M; q4_k is Q4_K on every linear (with the same fallbacks). q3_k_s,
-q5_k_s are llama.cpp ftypes laco-deploy's exporter does not write (llama-quantize does).
+the 576-wide rows of SmolLM2-135M; q4_k is Q4_K on every linear (with the same fallbacks).
+tests/compensate/test_fakequant.py checks `_mix` against the types llama.cpp's quantizer writes.
 Only the decoder linears are fake-quantized: the token embedding and output head, which llama.cpp
 quantizes too (Q6_K for most ftypes), run in float during LaCo. Rules llama.cpp keeps for MoE,
 Falcon and 70B models are not modelled (laco-deploy prunes none of them).
@@ -153,17 +153,20 @@ def use_more_bits(layer: int, num_layers: int) -> bool:
 _CATEGORY = {"v_proj": "attn_v", "qkv_proj": "attn_v", "o_proj": "attn_output", "down_proj": "ffn_down"}
 # quant-aware type -> the type of the linears no rule changes (the ftype's default type)
 _BASE = {"q8_0": "q8_0", "q4_k": "q4_k", "q6_k": "q6_k", "q2_k": "q2_k", "q3_k_s": "q3_k", "q3_k_m": "q3_k",
-         "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}
+         "q4_k_m": "q4_k", "q4_k_s": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}
 
 
 def _mix(quant_aware: str, category: str, layer: int, num_layers: int, gqa: int) -> str | None:
     """llama.cpp's llama_tensor_get_type_impl for the decoder linears of a dense model: the type that
-    replaces the ftype's default for this tensor, or None (q3_k_s, q5_k_s and q6_k have no rule)."""
+    replaces the ftype's default for this tensor, or None (q3_k_s, q5_k_s and q6_k have no rule; Q4_K_S's
+    first four attn_v count attn_v tensors, which is the layer index in the models laco-deploy prunes)."""
     more = use_more_bits(layer, num_layers)
     rules = {
         "attn_v": {"q2_k": "q4_k" if gqa >= 4 else "q3_k", "q3_k_m": "q5_k" if layer < 2 else "q4_k",
+                   "q4_k_s": "q5_k" if layer < 4 else None,
                    "q4_k_m": "q6_k" if more else None, "q5_k_m": "q6_k" if more else None},
         "ffn_down": {"q2_k": "q3_k", "q3_k_m": "q5_k" if layer < num_layers // 16 else "q4_k",
+                     "q4_k_s": "q5_k" if layer < num_layers // 8 else None,
                      "q4_k_m": "q6_k" if more else None, "q5_k_m": "q6_k" if more else None},
         "attn_output": {"q2_k": "q3_k", "q3_k_m": "q4_k"},
     }

@@ -14,7 +14,7 @@ from test_laco import DATA, _cfg, _weights, killed_then_resumed
 
 import tiny
 from laco_deploy.compensate import fakequant, losses, run
-from laco_deploy.config import PRUNABLE_LINEARS, ModelConfig
+from laco_deploy.config import PRUNABLE_LINEARS, QUANT_AWARE, ModelConfig
 from laco_deploy.data import calibration_samples
 from laco_deploy.models import decoder_layers, load_model
 
@@ -328,3 +328,29 @@ def test_qa_resume_equals_uninterrupted(tiny_llama_dir, sparse_unstructured_dir,
     assert full.keys() == resumed.keys()
     for k in full:
         assert torch.equal(full[k], resumed[k]), k
+
+
+@pytest.fixture(scope="module")
+def sixteen_layer_dir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """16 layers of width 256 (every linear fits k-quant super-blocks): enough layers that the rules
+    keyed on n_layer / 8, n_layer / 16, the first four attn_v and use_more_bits pick different layers."""
+    model = tiny.build_model(tiny.llama_config(layers=16, hidden=256))
+    return tiny.save_tiny(model, bpe_tokenizer, tmp_path_factory.mktemp("sixteen"))
+
+
+@pytest.mark.parametrize("quant", [q for q in QUANT_AWARE if q.startswith(("q2_k", "q3_k_", "q4_k_", "q5_k_", "q6_k"))])
+def test_tensor_scheme_is_the_type_llama_cpp_writes(sixteen_layer_dir, tmp_path, quant):
+    """Every decoder linear's type in llama.cpp's own quantization of the model equals tensor_scheme's."""
+    pytest.importorskip("llama_cpp")
+    from exporters import gguf as gguf_export
+
+    out = tmp_path / "m.gguf"
+    gguf_export.export(sixteen_layer_dir, out, quant)
+    got, want = {}, {}
+    for t in gguf.GGUFReader(str(out)).tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in GGUF_NAMES:
+            got[t.name] = t.tensor_type.name.lower()
+            width = t.shape[0]  # gguf-py lists ne[0] (the row length) first
+            want[t.name] = fakequant.tensor_scheme(quant, GGUF_NAMES[parts[2]], int(parts[1]), 16, int(width), gqa=2)
+    assert len(got) == 16 * 7 and got == want
