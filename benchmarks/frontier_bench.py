@@ -43,8 +43,8 @@ from laco_deploy.targets import GGUF  # noqa: E402
 log = logging.getLogger("frontier_bench")
 PROFILES = {
     "full": {"ratios": "0.2,0.3,0.5", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50,2:4",
-             "qa_quants": "q4_k_m,int8", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q3_k_m,q2_k",
-             "imatrix_quants": "q6_k,q5_k_m,q4_k_m,q3_k_m,q2_k", "repetitions": 3, "speed_rounds": 0, "n_prompt": 512, "n_gen": 128, "ppl_ctx": 512, "ppl_windows": 8, "fid_windows": 8},
+             "qa_quants": "q4_k_m,int8", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q5_k_s,q4_k_s,q3_k_m,q3_k_s,q2_k",
+             "imatrix_quants": "q6_k,q5_k_m,q5_k_s,q4_k_m,q4_k_s,q3_k_m,q3_k_s,q2_k", "repetitions": 3, "speed_rounds": 0, "n_prompt": 512, "n_gen": 128, "ppl_ctx": 512, "ppl_windows": 8, "fid_windows": 8},
     "quick": {"ratios": "0.3", "targets_sets": "ffn,all", "variants": "pruned,laco,qa", "unstructured": "wanda50",
               "qa_quants": "q4_k_m", "quants": "f16,q8_0,q4_k_m,fp32,int8", "dense_quants": "q6_k,q5_k_m,q3_k_m,q2_k",
               "imatrix_quants": "q4_k_m,q3_k_m,q2_k", "repetitions": 2, "speed_rounds": 3, "n_prompt": 128, "n_gen": 32, "ppl_ctx": 256, "ppl_windows": 4, "fid_windows": 2},
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="the reduced profile (see the module docstring)")
     lists = {"ratios": "structured ratios, e.g. 0.2,0.3,0.5", "targets_sets": "ffn (FFN channels) and/or all (FFN + heads)",
              "variants": "pruned,laco,qa", "unstructured": "wanda50 and/or 2:4, or none",
-             "qa_quants": "types QA-LaCo trains for (q8_0, q4_k_m, q6_k, int8)",
+             "qa_quants": "types QA-LaCo trains for (config.QUANT_AWARE: GGUF q8_0, q6_k ... q2_k; ONNX int8)",
              "quants": "weight types: GGUF f16,q8_0,q4_k_m,... (llama.cpp); ONNX fp32,int8 (onnxruntime)",
              "dense_quants": "extra types for the dense model only (equal-size comparison)",
              "imatrix_quants": "GGUF k-quants of the dense model with an importance matrix (issue 32's rival), or none"}
