@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from laco_deploy.config import FFN_LINEARS, IMATRIX_CALIB, PRUNABLE_LINEARS
-from laco_deploy.targets import TARGETS
+from laco_deploy.targets import GGUF, TARGETS
 
 MEASURED_ON = "SmolLM2-135M-Instruct"
 MEASURED_VOCAB = 49152
@@ -37,7 +37,7 @@ MIB = 2**20
 # 256 (SmolLM2's 576, Gemma 3's 640): 8.5, an over-estimate for the others. ONNX int8 quantizes MatMul
 # weights only: the embedding's Gather table stays fp32.
 EMBED_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5,
-              **dict.fromkeys(("q6_k", "q5_k_m", "q5_k_s", "q4_k_m", "q4_k_s", "q3_k_m", "q3_k_s", "q2_k"), 8.5),
+              **dict.fromkeys(GGUF.imatrix_quants, 8.5),  # the k-quant mixes
               "fp32": 32.0, "fp16": 16.0, "int8": 32.0}
 
 

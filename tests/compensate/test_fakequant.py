@@ -17,6 +17,7 @@ from laco_deploy.compensate import fakequant, losses, run
 from laco_deploy.config import PRUNABLE_LINEARS, QUANT_AWARE, ModelConfig
 from laco_deploy.data import calibration_samples
 from laco_deploy.models import decoder_layers, load_model
+from laco_deploy.targets import GGUF
 
 GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -338,7 +339,7 @@ def sixteen_layer_dir(tmp_path_factory, bpe_tokenizer) -> Path:
     return tiny.save_tiny(model, bpe_tokenizer, tmp_path_factory.mktemp("sixteen"))
 
 
-@pytest.mark.parametrize("quant", [q for q in QUANT_AWARE if q.startswith(("q2_k", "q3_k_", "q4_k_", "q5_k_", "q6_k"))])
+@pytest.mark.parametrize("quant", [q for q in QUANT_AWARE if q in GGUF.imatrix_quants])  # llama.cpp's k-quant mixes
 def test_tensor_scheme_is_the_type_llama_cpp_writes(sixteen_layer_dir, tmp_path, quant):
     """Every decoder linear's type in llama.cpp's own quantization of the model equals tensor_scheme's."""
     pytest.importorskip("llama_cpp")
